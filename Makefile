@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:  `make run` (the main job) and `make test` (the tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: setup run generate test test-all bench clean
+
+setup: $(VENV)/.installed
+
+# torch goes first: the CPU build is installed from its pinned version before anything that depends on it.
+$(VENV)/.installed: pyproject.toml setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m decode_worker.cli fetch-model
+	touch $@
+
+run: setup
+	$(VENV)/bin/decode-worker generate --chat "What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+test-all:
+	$(MAKE) test PYTEST_ARGS=""
+
+bench: setup
+	$(PY) bench/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,134 @@
+"""Whole-page moves between paged KV buffers: L1<->L2 load-back and backup, and the contiguous staging blob
+``[layer, 2, n, page_size, kv_heads, head_dim]`` that the UCX transfer and the L3 storage tier send or store.
+
+Buffers have the layout ``[layer, kv, page, slot, kv_head, head_dim]`` of ``decode_worker.cache.pool``.
+Copies within one CUDA device use one Triton launch for all layers; copies across devices use torch.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference serves every call
+    triton = None
+
+_BLOCK = 1024  # elements per Triton program; a page of one layer's K or V is split into such chunks
+
+
+def copy_pages_reference(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    """dst[:, :, dst_pages] = src[:, :, src_pages], across devices if needed."""
+    if src_pages.numel() != dst_pages.numel():
+        raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
+    if src_pages.numel() == 0:
+        return
+    pages = src.index_select(2, src_pages.to(src.device, torch.int64))
+    # Only host->device may be asynchronous: a non-blocking device->host copy lands in pinned memory that the
+    # CPU index_copy_ below would read before the transfer finished.
+    dst.index_copy_(2, dst_pages.to(dst.device, torch.int64), pages.to(dst.device, non_blocking=dst.is_cuda))
+
+
+def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """buffer[:, :, pages] as a new contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor."""
+    return buffer.index_select(2, pages.to(buffer.device, torch.int64))
+
+
+def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
+    """buffer[:, :, pages] = staging, across devices if needed."""
+    if staging.shape[2] != pages.numel():
+        raise ValueError(f"page count mismatch: staging holds {staging.shape[2]} pages, {pages.numel()} targets")
+    if pages.numel() == 0:
+        return
+    buffer.index_copy_(2, pages.to(buffer.device, torch.int64), staging.to(buffer.device, non_blocking=buffer.is_cuda))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_pages_kernel(
+        src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr,
+        src_stride_layer, src_stride_kv, src_stride_page,
+        dst_stride_layer, dst_stride_kv, dst_stride_page,
+        PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Grid (page pair, layer * 2 + kv, chunk): copy BLOCK elements of one contiguous page block."""
+        i = tl.program_id(0)
+        layer = tl.program_id(1) // 2
+        kv = tl.program_id(1) % 2
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < PAGE_ELEMS
+        src_page = tl.load(src_pages_ptr + i).to(tl.int64)
+        dst_page = tl.load(dst_pages_ptr + i).to(tl.int64)
+        src = src_ptr + layer * src_stride_layer + kv * src_stride_kv + src_page * src_stride_page + offs
+        dst = dst_ptr + layer * dst_stride_layer + kv * dst_stride_kv + dst_page * dst_stride_page + offs
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def _pages_contiguous(buffer: torch.Tensor) -> bool:
+    """True when each page of one layer's K or V is one dense block (always so for pool and staging buffers)."""
+    kv_heads, head_dim = buffer.shape[4:]
+    return buffer.stride()[3:] == (kv_heads * head_dim, head_dim, 1)
+
+
+def copy_pages_triton(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    """Triton version of :func:`copy_pages_reference` for two buffers on one device (no host sync)."""
+    if src.device != dst.device:
+        raise ValueError(f"copy_pages_triton needs one device, got {src.device} and {dst.device}")
+    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+        raise ValueError(f"layout mismatch: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}")
+    if not (_pages_contiguous(src) and _pages_contiguous(dst)):
+        raise ValueError("copy_pages_triton needs each page block ([slot, kv_head, head_dim]) to be contiguous")
+    if src_pages.numel() != dst_pages.numel():
+        raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
+    if src_pages.numel() == 0:
+        return
+    page_elems = src[0, 0, 0].numel()
+    grid = (src_pages.numel(), src.shape[0] * 2, triton.cdiv(page_elems, _BLOCK))
+    _copy_pages_kernel[grid](
+        src, dst, src_pages.to(src.device).contiguous(), dst_pages.to(src.device).contiguous(),
+        *src.stride()[:3], *dst.stride()[:3],
+        PAGE_ELEMS=page_elems, BLOCK=_BLOCK,
+    )
+
+
+def gather_pages_triton(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`gather_pages_reference`."""
+    layers, kv, _, page_size, kv_heads, head_dim = buffer.shape
+    staging = buffer.new_empty((layers, kv, pages.numel(), page_size, kv_heads, head_dim))
+    copy_pages_triton(buffer, staging, pages, torch.arange(pages.numel(), device=buffer.device))
+    return staging
+
+
+def scatter_pages_triton(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
+    """Triton version of :func:`scatter_pages_reference` (staging on the buffer's device)."""
+    if staging.shape[2] != pages.numel():
+        raise ValueError(f"page count mismatch: staging holds {staging.shape[2]} pages, {pages.numel()} targets")
+    copy_pages_triton(staging, buffer, torch.arange(pages.numel(), device=buffer.device), pages)
+
+
+def _triton_copy_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return triton is not None and a.is_cuda and a.device == b.device and _pages_contiguous(a) and _pages_contiguous(b)
+
+
+def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    """dst[:, :, dst_pages] = src[:, :, src_pages]: Triton within one CUDA device, torch otherwise."""
+    if _triton_copy_ok(src, dst):
+        copy_pages_triton(src, dst, src_pages, dst_pages)
+    else:
+        copy_pages_reference(src, dst, src_pages, dst_pages)
+
+
+def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """A request's pages as one contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor on ``buffer``'s device."""
+    if triton is not None and buffer.is_cuda and _pages_contiguous(buffer):
+        return gather_pages_triton(buffer, pages)
+    return gather_pages_reference(buffer, pages)
+
+
+def scatter_pages(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
+    """buffer[:, :, pages] = staging: Triton when both sit on one CUDA device, torch otherwise."""
+    if _triton_copy_ok(staging, buffer):
+        scatter_pages_triton(staging, buffer, pages)
+    else:
+        scatter_pages_reference(staging, buffer, pages)
