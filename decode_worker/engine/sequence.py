@@ -1,0 +1,56 @@
+"""A request's token state while it is generated, and the checks that finish it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_worker.engine.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the pool
+    finish_reason: dict | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pages_needed(self, page_size: int) -> int:
+        """Pages to hold K/V of every token so far (the last sampled token is written by the next step)."""
+        return -(-self.num_tokens // page_size)
+
+
+def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int, decode_text) -> None:
+    """Set ``seq.finish_reason`` after a new token, in SGLang's shape ({type, matched} / {type, length})."""
+    token = seq.output_ids[-1]
+    p = seq.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        seq.finish_reason = {"type": "stop", "matched": token}
+    elif p.stop and (matched := next((s for s in p.stop if s in decode_text(seq.output_ids)), None)):
+        seq.finish_reason = {"type": "stop", "matched": matched}
+    elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= max_context:
+        seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+
+
+def trim_stop_string(text: str, finish_reason: dict | None) -> str:
+    """Cut the output text at a matched stop string (the string itself is not returned)."""
+    if finish_reason and isinstance(finish_reason.get("matched"), str):
+        return text[: text.find(finish_reason["matched"])] if finish_reason["matched"] in text else text
+    return text

@@ -1,0 +1,47 @@
+"""Paged attention over the KV pool: batched decode through the page table, extend per request."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from decode_worker.cache.pool import KVPool
+from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker_kernels.kv_write import write_kv
+from decode_worker_kernels.paged_attention import paged_decode_attention
+
+
+def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    write_kv(pool.k_slots(layer), pool.v_slots(layer), fb.out_slots, k, v)
+
+
+def attend(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the step's queries ``[T, Hq, D]`` over everything in the pool for each request."""
+    if fb.is_decode:
+        return paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), fb.page_table, fb.seq_lens, scale)
+    return _extend_attention(pool, layer, fb, q, scale)
+
+
+def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached prefix plus themselves."""
+    page_size = pool.page_size
+    k_all, v_all = pool.k_slots(layer), pool.v_slots(layer)
+    out = torch.empty_like(q)
+    start = 0
+    offsets = torch.arange(page_size, device=q.device)
+    for b, prefix in enumerate(fb.prefix_lens):
+        seq_len = int(fb.seq_lens[b])
+        n_new = seq_len - prefix
+        n_pages = -(-seq_len // page_size)
+        slots = (fb.page_table[b, :n_pages, None] * page_size + offsets).reshape(-1)[:seq_len]
+        k = k_all[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        v = v_all[slots].transpose(0, 1).unsqueeze(0)
+        qb = q[start : start + n_new].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + n_new] = o[0].transpose(0, 1)
+        start += n_new
+    return out

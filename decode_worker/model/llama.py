@@ -1,0 +1,47 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) whose KV lives in a paged pool."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decode_worker.cache.pool import KVPool
+from decode_worker.model.attention import attend, store_kv
+from decode_worker.model.config import ModelConfig
+from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = AttentionProjections(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta, config.rope_scaling)
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run one step, writing the new tokens' K/V into ``pool``; returns float32 logits ``[rows, vocab]``."""
+        h = self.embed_tokens(fb.input_ids)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(h), fb.positions, self.rotary)
+            store_kv(pool, i, fb, k, v)
+            o = attend(pool, i, fb, q, self.scale)
+            h = h + attn.o_proj(o.reshape(o.shape[0], -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[fb.logits_indices])
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, head).float()

@@ -1,0 +1,67 @@
+"""Load a model (Hugging Face directory or GGUF file) into a LlamaModel plus its tokenizer."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decode_worker.model.config import ModelConfig, ModelLoadError
+from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
+from decode_worker.model.llama import LlamaModel
+from decode_worker.model.tokenizer import Tokenizer
+from decode_worker.model.weights import load_weights
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer | None
+
+
+def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors weights")
+    for f in files:
+        try:
+            yield from load_file(str(f)).items()
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{f} is not a readable safetensors file: {e}") from e
+
+
+def read_config(path: Path) -> ModelConfig:
+    if path.is_file():
+        return gguf_config(open_gguf(path), path.stem)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path} has no config.json") from e
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf(raw, path.name)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True) -> LoadedModel:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path not found: {path}")
+    if path.is_file():
+        reader = open_gguf(path)
+        config = gguf_config(reader, path.stem)
+        tensors = gguf_tensors(reader, config)
+    else:
+        config = read_config(path)
+        tensors = _safetensors(path)
+    with torch.device(device):
+        model = LlamaModel(config)
+    load_weights(model, tensors)
+    model = model.to(dtype=dtype).eval()
+    tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
+    return LoadedModel(config, model, tok)

@@ -1,0 +1,43 @@
+"""Owns the model and its L1 KV pool; runs extend and batched decode steps (CUDA graphs on GPU)."""
+from __future__ import annotations
+
+import torch
+
+from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_total_tokens: int, page_size: int, cuda_graph_max_bs: int = 0):
+        self.loaded = loaded
+        self.config = loaded.config
+        self.model = loaded.model
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.page_size = page_size
+        self.layout = KVLayout(
+            model_id=self.config.name,
+            num_layers=self.config.num_layers,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            page_size=page_size,
+            dtype=self.dtype,
+        )
+        # One extra page: page 0 is the scratch page that padded decode rows write to.
+        self.num_pages = max_total_tokens // page_size + 1
+        self.pool = KVPool(self.layout, self.num_pages, self.device)
+        self.graphs = None
+        if cuda_graph_max_bs and self.device.type == "cuda":
+            from decode_worker.model.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
+
+    def build_batch(self, new_tokens: list[list[int]], prefix_lens: list[int], pages: list[list[int]], all_logits: bool = False) -> ForwardBatch:
+        return ForwardBatch.build(new_tokens, prefix_lens, pages, self.page_size, self.device, all_logits)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] (or [T, vocab] with all_logits) in float32."""
+        if self.graphs is not None and fb.is_decode and self.graphs.fits(fb):
+            return self.graphs.replay(fb)
+        return self.model(fb, self.pool)

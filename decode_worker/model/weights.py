@@ -1,0 +1,68 @@
+"""Copy Hugging Face-named tensors into the fused parameters of LlamaModel."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from decode_worker.model.config import ModelConfig, ModelLoadError
+from decode_worker.model.llama import LlamaModel
+
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_GLOBAL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
+    """(fused param, row start, row end) of an unfused q/k/v or gate/up tensor."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    slots = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+    module, _, kind = part.rpartition(".")
+    if module in slots:
+        name, lo, hi = slots[module]
+        return f"{name}.{kind}", lo, hi
+    return None
+
+
+def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for hf_name, tensor in tensors:
+        if "rotary_emb" in hf_name:
+            continue
+        target, rows = _GLOBAL.get(hf_name), None
+        match = _LAYER.match(hf_name)
+        if match:
+            layer, part = match.groups()
+            fused = _fused_slot(model.config, part)
+            if fused:
+                target, rows = f"layers.{layer}.{fused[0]}", fused[1:]
+            elif part in _DIRECT:
+                target = f"layers.{layer}.{_DIRECT[part]}"
+        if target is None or target not in params:
+            if hf_name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied checkpoints may still carry a copy of the embedding
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
+        dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+        if dest.shape != tensor.shape:
+            raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[target] = filled.get(target, 0) + (dest.shape[0] if rows is not None else params[target].shape[0])
+    missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensors for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints and the embedded SmolLM2 model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def save_random_checkpoint(path, model_type: str, **overrides) -> None:
+    """Write a small random-weight checkpoint with transformers' own save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Random-weight Llama, Llama-3-scaled, Qwen2 (QKV bias) and Mistral checkpoints, by name."""
+    root = tmp_path_factory.mktemp("tiny")
+    specs = {
+        "llama": ("llama", {}),
+        "llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+        "mistral": ("mistral", {"sliding_window": 4096}),
+    }
+    paths = {}
+    for name, (model_type, overrides) in specs.items():
+        save_random_checkpoint(root / name, model_type, **overrides)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from decode_worker.model.embedded import ensure_default_model
+
+    return ensure_default_model()
