@@ -1,0 +1,335 @@
+"""FastAPI app: SGLang `/generate`, OpenAI completions and chat (SSE streaming), health, info, metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from decode_worker.api.errors import error_body, error_response, install_error_handlers, parse_body
+from decode_worker.api.schemas import (
+    BootstrapFields,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    HandshakeRequest,
+    SGLangSamplingParams,
+)
+from decode_worker.engine.request import Bootstrap, GenerateInput, RequestError, RequestStream, TokenEvent
+from decode_worker.engine.sampling import SamplingParams
+from decode_worker.engine.sequence import trim_stop_string
+
+if TYPE_CHECKING:
+    from decode_worker.engine.engine import Engine
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _pick(value: Any, i: int) -> Any:
+    return value[i] if isinstance(value, list) else value
+
+
+def _bootstrap(body: BootstrapFields, i: int, default_port: int | None) -> Bootstrap | None:
+    host, port, room = _pick(body.bootstrap_host, i), _pick(body.bootstrap_port, i), _pick(body.bootstrap_room, i)
+    if host is None and room is None:
+        return None
+    if host is None or room is None:
+        raise RequestError("bootstrap_host and bootstrap_room must be given together")
+    port = port if port is not None else default_port
+    if port is None:
+        raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
+    return Bootstrap(host, int(port), int(room))
+
+
+def _sglang_params(p: SGLangSamplingParams) -> SamplingParams:
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                          seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
+
+
+def _openai_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    if body.n != 1:
+        raise RequestError("only n=1 is supported")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
+                          ignore_eos=body.ignore_eos)
+
+
+class _Collected:
+    """A finished request: output tokens, text, finish reason and cache figures."""
+
+    def __init__(self, rid: str, prompt_tokens: int):
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: dict | None = None
+        self.cached: dict[str, int] = {}
+
+    def add(self, event: TokenEvent) -> None:
+        if event.error is not None:
+            raise event.error
+        self.ids += event.token_ids
+        self.logprobs += event.logprobs
+        self.finish_reason = event.finish_reason or self.finish_reason
+        self.cached = event.cached_tokens or self.cached
+
+    def meta(self, return_logprob: bool) -> dict:
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": sum(self.cached.values()),
+            "cached_tokens_details": {t: self.cached.get(t, 0) for t in ("device", "host", "storage")},
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.ids)]
+        return meta
+
+
+def create_app(engine: "Engine") -> FastAPI:
+    app = FastAPI(title="decode-worker", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    def text_of(c: _Collected) -> str:
+        return trim_stop_string(engine.tokenizer.decode(c.ids), c.finish_reason)
+
+    async def start(inp: GenerateInput) -> tuple[RequestStream, _Collected]:
+        return await engine.submit(inp), _Collected(inp.rid, len(inp.prompt_ids))
+
+    async def collect(request: Request, inputs: list[GenerateInput]) -> list[_Collected]:
+        """Run requests to the end; a client that goes away aborts them all."""
+        started = [await start(i) for i in inputs]
+
+        async def drain(stream: RequestStream, c: _Collected) -> _Collected:
+            async for event in stream:
+                c.add(event)
+            return c
+
+        tasks = [asyncio.ensure_future(drain(s, c)) for s, c in started]
+        try:
+            while not all(t.done() for t in tasks):
+                done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.ALL_COMPLETED)
+                if not all(t.done() for t in tasks) and await request.is_disconnected():
+                    raise asyncio.CancelledError
+            return [t.result() for t in tasks]
+        finally:
+            for (s, _), t in zip(started, tasks):
+                if not t.done():
+                    t.cancel()
+                    engine.abort(s.rid)
+
+    async def stream_events(inp: GenerateInput) -> AsyncIterator[tuple[_Collected, TokenEvent]]:
+        stream, c = await start(inp)
+        finished = False
+        try:
+            async for event in stream:
+                c.add(event)
+                yield c, event
+            finished = True
+        finally:
+            if not finished:
+                engine.abort(stream.rid)
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
+
+    async def sse_wrap(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Turn an error raised mid-stream into a final error event instead of a cut connection."""
+        try:
+            async for chunk in gen:
+                yield chunk
+        except RequestError as e:
+            yield sse(error_body(str(e), e.status, e.kind))
+        yield sse("[DONE]")
+
+    def encode(text: str | None, ids: list[int] | None) -> list[int]:
+        if ids is not None:
+            return list(ids)
+        if text is None:
+            raise RequestError("give either text or input_ids")
+        return engine.tokenizer.encode(text)
+
+    # ---- SGLang native ----
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse_body(request, GenerateRequest)
+        engine.require_ready()
+        batched = isinstance(body.text, list) or (body.input_ids and isinstance(body.input_ids[0], list))
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        ids = body.input_ids if batched and body.input_ids else [body.input_ids]
+        n = len(texts) if body.text is not None else len(ids)
+        inputs = []
+        for i in range(n):
+            sp = _pick(body.sampling_params, i) or SGLangSamplingParams()
+            rid = _pick(body.rid, i) or uuid.uuid4().hex
+            prompt = encode(texts[i] if body.text is not None else None, ids[i] if body.text is None else None)
+            inputs.append(GenerateInput(rid, prompt, _sglang_params(sp), bool(_pick(body.return_logprob, i)),
+                                        _bootstrap(body, i, engine.config.bootstrap_port)))
+        for inp in inputs:
+            engine.check_request(inp)
+
+        def response(c: _Collected, inp: GenerateInput) -> dict:
+            return {"text": text_of(c), "output_ids": c.ids, "meta_info": c.meta(inp.return_logprob)}
+
+        if not body.stream:
+            results = await collect(request, inputs)
+            out = [response(c, i) for c, i in zip(results, inputs)]
+            return out if batched else out[0]
+
+        async def events() -> AsyncIterator[str]:
+            for index, inp in enumerate(inputs):  # batched streams run one prompt after another
+                async for c, _ in stream_events(inp):
+                    chunk = response(c, inp)
+                    if batched:
+                        chunk["index"] = index
+                    yield sse(chunk)
+
+        return StreamingResponse(sse_wrap(events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # ---- OpenAI ----
+    def usage(c: _Collected) -> dict:
+        return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
+                "total_tokens": c.prompt_tokens + len(c.ids),
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached.values())}}
+
+    def finish(c: _Collected) -> str | None:
+        return None if c.finish_reason is None else c.finish_reason["type"]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        engine.require_ready()
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [body.prompt]
+        params = _openai_params(body, body.max_tokens)
+        inputs = []
+        for i, p in enumerate(prompts):
+            prompt = encode(p, None) if isinstance(p, str) else list(p)
+            rid = f"{body.rid or 'cmpl-' + uuid.uuid4().hex}" + (f"-{i}" if len(prompts) > 1 else "")
+            inputs.append(GenerateInput(rid, prompt, params, False, _bootstrap(body, i, engine.config.bootstrap_port)))
+        for inp in inputs:
+            engine.check_request(inp)
+        created, model = int(time.time()), engine.model_name
+        if not body.stream:
+            results = await collect(request, inputs)
+            return {"id": inputs[0].rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": i, "text": text_of(c), "finish_reason": finish(c), "logprobs": None}
+                                for i, c in enumerate(results)],
+                    "usage": {k: sum(usage(c)[k] for c in results) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+
+        async def events() -> AsyncIterator[str]:
+            for index, inp in enumerate(inputs):
+                sent = ""
+                async for c, event in stream_events(inp):
+                    text = text_of(c)
+                    delta, sent = text[len(sent):], text
+                    yield sse({"id": inp.rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": index, "text": delta, "finish_reason": finish(c) if event.finish_reason else None,
+                                            "logprobs": None}]})
+
+        return StreamingResponse(sse_wrap(events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        engine.require_ready()
+        messages = [m.model_dump() for m in body.messages]
+        for m in messages:
+            if isinstance(m["content"], list):  # OpenAI content parts: keep the text ones
+                m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+        try:
+            prompt = engine.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
+        inp = GenerateInput(rid, prompt, _openai_params(body, max_tokens), False, _bootstrap(body, 0, engine.config.bootstrap_port))
+        engine.check_request(inp)
+        created, model = int(time.time()), engine.model_name
+        if not body.stream:
+            (c,) = await collect(request, [inp])
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text_of(c)},
+                                 "finish_reason": finish(c), "logprobs": None}],
+                    "usage": usage(c)}
+
+        def chunk(delta: dict, reason: str | None) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]})
+
+        async def events() -> AsyncIterator[str]:
+            yield chunk({"role": "assistant", "content": ""}, None)
+            sent = ""
+            async for c, event in stream_events(inp):
+                text = text_of(c)
+                delta, sent = text[len(sent):], text
+                if delta:
+                    yield chunk({"content": delta}, None)
+                if event.finish_reason:
+                    yield chunk({}, finish(c))
+
+        return StreamingResponse(sse_wrap(events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.get("/v1/models")
+    async def models():
+        engine.require_ready()
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.started_at,
+                                            "owned_by": "decode-worker", "max_model_len": engine.model_config.max_context}]}
+
+    # ---- operations ----
+    @app.get("/health")
+    async def health():
+        if not engine.ready:
+            return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not engine.ready:
+            return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
+        await engine.health_generate()
+        return Response(status_code=200)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return engine.server_info()
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        engine.require_ready()
+        return {"model_path": engine.model_path, "served_model_name": engine.model_name,
+                "tokenizer_path": engine.model_path, "is_generation": True,
+                "max_context": engine.model_config.max_context}
+
+    @app.get("/get_load")
+    async def get_load():
+        return engine.get_load()
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush_cache():
+        flushed = await engine.flush_cache()
+        if not flushed:
+            return error_response("cache not flushed: requests are running", 409, "conflict")
+        return {"success": True, "message": "cache flushed"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    if engine.config.role == "prefill":
+        @app.post("/v1/pd/handshake")
+        async def handshake(request: Request):
+            body = await parse_body(request, HandshakeRequest)
+            return JSONResponse(await engine.handshake(body))
+
+    return app

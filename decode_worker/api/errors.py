@@ -1,0 +1,63 @@
+"""JSON errors in one shape for every route: {"error": {"message", "type", "code"}}."""
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from decode_worker.engine.request import RequestError
+
+
+def error_body(message: str, status: int, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, status, kind), status_code=status)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """Parse a JSON body whatever its content type (plain `curl -d` sends form-encoded), with clear errors."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"malformed JSON body: {e}") from e
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(_describe(e)) from e
+
+
+def _describe(exc: RequestValidationError | ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request body: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return error_response(_describe(exc), 400)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError):
+        return error_response(str(exc), exc.status, exc.kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException):
+        return error_response(str(exc.detail), exc.status_code, "not_found" if exc.status_code == 404 else "http_error")

@@ -1,0 +1,45 @@
+"""Run the HTTP server: the engine loads in the background so /health answers 503 until it is ready."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+from fastapi import FastAPI
+
+from decode_worker.api.app import create_app
+from decode_worker.config import ServerConfig
+from decode_worker.engine.engine import Engine
+
+log = logging.getLogger("decode_worker")
+
+
+def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
+    engine = Engine(config)
+    app = create_app(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async def start() -> None:
+            try:
+                await engine.start()
+                log.info("ready: %s role, model %s, http://%s:%d", config.role, engine.model_name, config.host, config.port)
+            except Exception as e:  # stay up and say why in /health rather than die without a word
+                log.exception("start-up failed")
+                engine.not_ready_reason = f"start-up failed: {e}"
+
+        task = asyncio.create_task(start())
+        yield
+        task.cancel()
+        await engine.shutdown()
+
+    app.router.lifespan_context = lifespan
+    return app, engine
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
+                timeout_graceful_shutdown=15)

@@ -1,0 +1,161 @@
+"""The serving engine: model, cache and scheduler behind the few calls the HTTP layer makes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.sizing import host_pool_pages, make_host_pool
+from decode_worker.config import ServerConfig
+from decode_worker.engine.request import GenerateInput, RequestError, RequestStream
+from decode_worker.engine.sampling import SamplingParams
+from decode_worker.engine.scheduler import Scheduler
+from decode_worker.metrics import Metrics
+from decode_worker.model.embedded import ensure_default_model
+from decode_worker.model.loader import load_model
+from decode_worker.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def cache_metrics(stats: dict) -> dict:
+    """Map the cache's stats() onto the metric families of ARCHITECTURE.md section 6."""
+    tokens = stats.get("tokens", {})
+    return {
+        "pages": {tier: {s: stats[tier][s] for s in ("free", "used", "evictable", "locked")}
+                  for tier in ("device", "host") if tier in stats},
+        "evicted_tokens": tokens.get("evicted", {}),
+        "backup_tokens": tokens.get("backed_up", {}),
+        "load_back_tokens": tokens.get("loaded_back", 0),
+        "prefetch_tokens": tokens.get("prefetched", 0),
+    }
+
+
+class Engine:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.started_at = int(time.time())
+        self.model_path = config.model_path or ""
+        self.ready = False
+        self.not_ready_reason = "loading the model"
+        self.runner: ModelRunner | None = None
+        self.cache: HierarchicalCache | None = None
+        self.scheduler: Scheduler | None = None
+        self.tokenizer = None
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Blocking part of start-up (weights, pools); run it off the event loop."""
+        cfg = self.config
+        path = Path(cfg.model_path) if cfg.model_path else ensure_default_model()
+        self.model_path = str(path)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(path, dtype=getattr(torch, cfg.dtype), device=device)
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, cfg.max_total_tokens, cfg.page_size, cfg.cuda_graph_max_bs)
+        host_pool = None
+        if cfg.disaggregation_decode_enable_hicache:
+            pages = host_pool_pages(self.runner.layout, self.runner.num_pages - 1,
+                                    ratio=cfg.disaggregation_decode_hicache_ratio,
+                                    size_gb=cfg.disaggregation_decode_hicache_size or None)
+            host_pool = make_host_pool(self.runner.layout, pages, self.runner.pool)
+        self.cache = HierarchicalCache(self.runner.pool, host_pool,
+                                       write_policy=cfg.disaggregation_decode_hicache_write_policy)
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.load_model)
+        cfg = self.config
+        tok = self.tokenizer
+        self.scheduler = Scheduler(
+            self.runner, self.cache, self.metrics,
+            eos_token_ids=tok.eos_token_ids, decode_text=tok.decode, radix=cfg.radix_cache,
+            max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
+            load_back_timeout_s=cfg.load_back_timeout_s,
+        )
+        self.metrics.watch(lambda: cache_metrics(self.cache.stats()), self.scheduler.queue_stats)
+        self.scheduler.start()
+        self.ready, self.not_ready_reason = True, ""
+
+    async def shutdown(self) -> None:
+        self.ready, self.not_ready_reason = False, "shutting down"
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self.cache is not None:
+            self.cache.close()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or Path(self.model_path).stem or "model"
+
+    @property
+    def model_config(self):
+        return self.runner.config
+
+    def require_ready(self) -> Scheduler:
+        if not self.ready or self.scheduler is None:
+            raise RequestError(f"not ready: {self.not_ready_reason}", 503, "unavailable")
+        return self.scheduler
+
+    def check_request(self, inp: GenerateInput) -> None:
+        scheduler = self.require_ready()
+        if self.config.role == "decode" and inp.bootstrap is None:
+            raise RequestError("this is a decode worker: requests need bootstrap_host, bootstrap_port and "
+                               "bootstrap_room (send them through a PD router)")
+        scheduler.check_fits(inp)
+
+    async def submit(self, inp: GenerateInput) -> RequestStream:
+        self.check_request(inp)
+        return self.scheduler.submit(inp)
+
+    def abort(self, rid: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(rid)
+
+    async def health_generate(self) -> None:
+        """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping)."""
+        scheduler = self.require_ready()
+        if self.config.role == "decode":
+            if scheduler._task is None or scheduler._task.done():
+                raise RequestError("scheduler loop is not running", 503, "unavailable")
+            return
+        stream = scheduler.submit(GenerateInput(f"health-{time.monotonic_ns()}", [self.tokenizer.encode("hi")[0]],
+                                                SamplingParams(max_new_tokens=1, temperature=0)))
+        async with asyncio.timeout(30):
+            async for event in stream:
+                if event.error is not None:
+                    raise event.error
+
+    async def flush_cache(self) -> bool:
+        self.require_ready()
+        self.cache.flush()
+        return True
+
+    def server_info(self) -> dict:
+        cfg = self.config
+        info = {k: v for k, v in vars(cfg).items() if k != "pd_token"}
+        info.update(served_model_name=self.model_name, model_path=self.model_path, version="0.1.0", ready=self.ready)
+        if self.runner is not None:
+            info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),
+                        max_context=self.runner.config.max_context, max_total_num_tokens=cfg.max_total_tokens)
+        if self.cache is not None:
+            info["cache"] = self.cache.stats()
+        return info
+
+    def get_load(self) -> dict:
+        """What a router balances on: live requests, queued requests and KV pages in use."""
+        if self.scheduler is None:
+            return {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        q = self.scheduler.queue_stats()
+        dev = self.cache.stats()["device"]
+        return {"num_reqs": len(self.scheduler.requests), "num_running_reqs": q["running"],
+                "num_waiting_reqs": sum(q["queues"].values()),
+                "num_tokens": (dev["total"] - dev["free"]) * self.config.page_size,
+                "max_total_tokens": self.config.max_total_tokens}

@@ -1,0 +1,64 @@
+"""What the HTTP layer hands the scheduler, and what the scheduler streams back."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from decode_worker.engine.sampling import SamplingParams
+
+
+class RequestError(Exception):
+    """A request that cannot be served; ``status`` is the HTTP status the client gets."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a PD request's prefill peer runs its handshake, and the room that names the transfer."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
+class GenerateInput:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    bootstrap: Bootstrap | None = None
+
+
+@dataclass
+class TokenEvent:
+    """New tokens for one request; the last event has ``finish_reason`` (or ``error``) set."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict | None = None
+    error: RequestError | None = None
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestStream:
+    """The HTTP side's handle: an async iterator of TokenEvents plus an abort hook."""
+
+    rid: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created_at: float = field(default_factory=time.monotonic)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        event = self.queue.get_nowait() if not self.queue.empty() else await self.queue.get()
+        if event is None:
+            raise StopAsyncIteration
+        return event

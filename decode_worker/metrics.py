@@ -1,0 +1,66 @@
+"""Prometheus metrics (prefix ``decode_worker_``). Hit rate per tier = cached_tokens_total{tier} / prompt_tokens_total.
+
+Request-level figures are counted as they happen; cache and queue figures are read from their owners at
+scrape time, so the exported numbers can never drift from the state they describe.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "decode_worker_"
+TIERS = ("device", "host", "storage")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _LiveCollector:
+    """Reads snapshots from callables at scrape time."""
+
+    def __init__(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]):
+        self.cache_stats = cache_stats
+        self.queue_stats = queue_stats
+
+    def collect(self):
+        stats = self.cache_stats()
+        pages = GaugeMetricFamily(PREFIX + "cache_pages", "KV pages per tier and state", labels=["tier", "state"])
+        for tier, states in stats.get("pages", {}).items():
+            for state, n in states.items():
+                pages.add_metric([tier, state], n)
+        yield pages
+        for name, doc in (("evicted_tokens", "Tokens evicted per tier"), ("backup_tokens", "Tokens backed up into a tier")):
+            fam = CounterMetricFamily(PREFIX + name, doc, labels=["tier"])
+            for tier, n in stats.get(name, {}).items():
+                fam.add_metric([tier], n)
+            yield fam
+        yield CounterMetricFamily(PREFIX + "load_back_tokens", "Tokens copied L2 -> L1", value=stats.get("load_back_tokens", 0))
+        yield CounterMetricFamily(PREFIX + "prefetch_tokens", "Tokens prefetched L3 -> L2", value=stats.get("prefetch_tokens", 0))
+        queues = self.queue_stats()
+        fam = GaugeMetricFamily(PREFIX + "queue_requests", "Requests waiting per queue", labels=["queue"])
+        for queue, n in queues.get("queues", {}).items():
+            fam.add_metric([queue], n)
+        yield fam
+        yield GaugeMetricFamily(PREFIX + "running_requests", "Requests in the decode batch", value=queues.get("running", 0))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from cache", ["tier"], registry=r)
+        self.kv_received_tokens = Counter(PREFIX + "kv_received_tokens", "Prompt tokens whose KV came from prefill", registry=r)
+        self.kv_received_bytes = Counter(PREFIX + "kv_received_bytes", "KV bytes received from prefill", registry=r)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "Handshake to KV received", buckets=_LATENCY_BUCKETS, registry=r)
+        for tier in TIERS:
+            self.cached_tokens.labels(tier)  # export zeros so hit-rate queries have every series from the start
+
+    def watch(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]) -> None:
+        self.registry.register(_LiveCollector(cache_stats, queue_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
