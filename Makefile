@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m decode_worker.cli fetch-model
 	touch $@
 
+# A local PD deployment (sglang-router + prefill + decode) on loopback; it prints the curl to try.
 run: setup
+	$(VENV)/bin/decode-worker up
+
+generate: setup
 	$(VENV)/bin/decode-worker generate --chat "What is the capital of France?"
 
 test: setup

@@ -6,6 +6,7 @@ import json
 import sys
 
 from decode_worker.config import add_config_args
+from decode_worker.launch import add_up_args, run_up
 from decode_worker.model.config import ModelLoadError
 
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run a worker (colocated, prefill or decode role)")
     add_config_args(srv)
     srv.set_defaults(func=_serve)
+    up = sub.add_parser("up", help="run a local PD deployment: sglang-router, a prefill and a decode worker")
+    add_up_args(up)
+    up.set_defaults(func=run_up)
     fetch = sub.add_parser("fetch-model", help="download the embedded default model into the cache folder")
     fetch.set_defaults(func=_fetch_model)
     return parser

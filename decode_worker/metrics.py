@@ -54,6 +54,7 @@ class Metrics:
         self.kv_received_bytes = Counter(PREFIX + "kv_received_bytes", "KV bytes received from prefill", registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
+        self.retractions = Counter(PREFIX + "retractions", "Running requests retracted when L1 ran out", registry=r)
         self.ttft = Histogram(PREFIX + "ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "Handshake to KV received", buckets=_LATENCY_BUCKETS, registry=r)
         for tier in TIERS:

@@ -47,6 +47,9 @@ class Engine:
         self.cache: HierarchicalCache | None = None
         self.scheduler: Scheduler | None = None
         self.tokenizer = None
+        self.fetcher = None  # decode role: DeltaKVFetcher
+        self.handoff = None  # prefill role: KVHandoff
+        self._expiry: asyncio.Task | None = None
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -72,20 +75,51 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
+        if cfg.role == "decode":
+            from decode_worker.transfer.decode_side import DeltaKVFetcher
+            from decode_worker.transfer.ucx_receiver import KVReceiver
+
+            receiver = await KVReceiver.start(cfg.ucx_host, cfg.ucx_port)
+            self.fetcher = DeltaKVFetcher(cfg, self.runner.pool, receiver, self.metrics)
+        elif cfg.role == "prefill":
+            from decode_worker.transfer.prefill_side import KVHandoff
+            from decode_worker.transfer.ucx_sender import KVSender
+
+            self.handoff = KVHandoff(cfg, self.runner.pool, await KVSender.start(), self.metrics)
         self.scheduler = Scheduler(
             self.runner, self.cache, self.metrics,
             eos_token_ids=tok.eos_token_ids, decode_text=tok.decode, radix=cfg.radix_cache,
             max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
-            load_back_timeout_s=cfg.load_back_timeout_s,
+            load_back_timeout_s=cfg.load_back_timeout_s, kv_source=self.fetcher,
+            on_prefilled=self.handoff.on_prefilled if self.handoff else None,
         )
+        if self.handoff is not None:
+            self.handoff.scheduler = self.scheduler
+            self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
         self.metrics.watch(lambda: cache_metrics(self.cache.stats()), self.scheduler.queue_stats)
         self.scheduler.start()
         self.ready, self.not_ready_reason = True, ""
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.handoff.expire()
+
+    async def handshake(self, body) -> dict:
+        self.require_ready()
+        return await self.handoff.handshake(body)
 
     async def shutdown(self) -> None:
         self.ready, self.not_ready_reason = False, "shutting down"
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self.handoff is not None:
+            await self.handoff.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
+            await self.fetcher.receiver.close()
         if self.cache is not None:
             self.cache.close()
 

@@ -145,6 +145,8 @@ class Scheduler:
             await asyncio.sleep(0.05)
         for rid in list(self.requests):
             self.abort(rid, RequestError("server is shutting down", 503, "unavailable"))
+        for req in list(self.held.values()):
+            self.release_held(req)
         while self.requests and self._task is not None and not self._task.done():
             await asyncio.sleep(0.01)
         if self._task is not None:
@@ -337,6 +339,8 @@ class Scheduler:
         self.running.remove(req)
         self._release(req, backup=True)
         self.retracted.append(req)
+        self.metrics.retractions.inc()
+        log.info("retracted %s after %d tokens: L1 is full", req.rid, len(req.seq.output_ids))
 
     def _sample(self, batch: list[Req], logits: torch.Tensor, into_running: bool) -> None:
         result = sample(logits, [r.seq.params for r in batch], [r.seq.generator for r in batch])
@@ -352,7 +356,8 @@ class Scheduler:
                 self._finish(req)
             elif into_running:
                 if self.on_prefilled is not None and self.on_prefilled(req):
-                    continue  # prefill role: the request now waits for its decode peer
+                    self._hold(req)
+                    continue
                 self.running.append(req)
 
     def _emit(self, req: Req, token: int, logprob: float) -> None:
@@ -366,6 +371,17 @@ class Scheduler:
         req.stream.queue.put_nowait(TokenEvent([token], [logprob], finish_reason=seq.finish_reason, cached_tokens=req.cached))
 
     # ---- exits ------------------------------------------------------------------------------------------------
+
+    def _hold(self, req: Req) -> None:
+        """Prefill role: answer the client now, keep the KV (pages stay locked) until ``release_held``."""
+        self.held[req.rid] = req
+        req.stream.queue.put_nowait(TokenEvent([], [], finish_reason={"type": "length", "length": 1}))
+        self._close(req, "ok")
+
+    def release_held(self, req: Req) -> None:
+        """The decode peer has the KV (or never came): cache the prompt's pages and free the rest."""
+        if self.held.pop(req.rid, None) is not None:
+            self._release(req)
 
     def _finish(self, req: Req) -> None:
         self._release(req)

@@ -1,0 +1,102 @@
+"""Decode side of PD: ask prefill for the delta KV, receive it over UCX into the request's pages.
+
+Order matters: the receive is posted (``expect``) before the handshake, so prefill's push always finds it.
+The receive's future settles only when nothing writes into the staging buffer any more, so every exit
+path waits for it before the pages can be reused.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import torch
+
+from decode_worker.config import ServerConfig
+from decode_worker.engine.request import RequestError
+from decode_worker.metrics import Metrics
+from decode_worker.transfer.handshake import HANDSHAKE_PATH, prompt_digest
+from decode_worker.transfer.ucx_receiver import KVReceiver
+from decode_worker.transfer.wire import TransferError
+from decode_worker_kernels.page_copy import scatter_pages
+
+if TYPE_CHECKING:
+    from decode_worker.cache.pool import KVPool
+    from decode_worker.engine.scheduler import Req
+
+_HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
+
+
+class DeltaKVFetcher:
+    def __init__(self, config: ServerConfig, pool: "KVPool", receiver: KVReceiver, metrics: Metrics):
+        self.config = config
+        self.pool = pool
+        self.receiver = receiver
+        self.metrics = metrics
+        self.http = httpx.AsyncClient(timeout=config.handshake_timeout_s)
+        self.address = base64.b64encode(receiver.address).decode()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def _fail(self, reason: str, message: str, status: int = 502) -> RequestError:
+        self.metrics.transfer_failures.labels(reason).inc()
+        return RequestError(message, status, "kv_transfer_error")
+
+    async def __call__(self, req: "Req", delta_pages: torch.Tensor) -> tuple[int, float]:
+        """Receive KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
+        boot = req.inp.bootstrap
+        layout = self.pool.layout
+        prompt = req.seq.prompt_ids
+        prefix = req.prefix_pages * layout.page_size
+        n_pages = delta_pages.numel()
+        staging = torch.empty((layout.num_layers, 2, n_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
+                              dtype=layout.dtype)
+        started = time.monotonic()
+        received = self.receiver.expect(boot.room, staging.numel() * staging.element_size(), staging,
+                                        self.config.handshake_timeout_s + self.config.transfer_timeout_s)
+        try:
+            await self._handshake(boot, prefix, prompt)
+            trailer = await received
+        except TransferError as e:
+            raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"
+                                       + (f" ({e.detail})" if e.detail else ""), 504 if e.reason == "timeout" else 502) from e
+        finally:
+            if not received.done():
+                self.receiver.cancel(boot.room)
+            try:  # the buffer may be reused only once the receiver let go of it
+                await asyncio.shield(received)
+            except (TransferError, asyncio.CancelledError):
+                pass
+        scatter_pages(staging, self.pool.buffer, delta_pages)
+        self.metrics.kv_received_tokens.inc(len(prompt) - prefix)
+        self.metrics.kv_received_bytes.inc(staging.numel() * staging.element_size())
+        self.metrics.kv_transfer.observe(time.monotonic() - started)
+        return trailer.first_token, trailer.logprob
+
+    async def _handshake(self, boot, prefix: int, prompt: list[int]) -> None:
+        body = {
+            "room": boot.room,
+            "decode_prefix_len": prefix,
+            "prompt_len": len(prompt),
+            "prompt_digest": prompt_digest(prompt),
+            "ucx_address": self.address,
+            "layout": self.pool.layout.describe(),
+            "token": self.config.pd_token,
+        }
+        url = f"http://{boot.host}:{boot.port}{HANDSHAKE_PATH}"
+        try:
+            resp = await self.http.post(url, json=body)
+        except httpx.TimeoutException as e:
+            raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
+        except httpx.HTTPError as e:
+            raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e}") from e
+        if resp.status_code != 200:
+            try:
+                detail = resp.json()["error"]["message"]
+            except Exception:
+                detail = resp.text[:300]
+            reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
+            raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")

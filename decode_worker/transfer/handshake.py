@@ -1,0 +1,14 @@
+"""The PD handshake body and the checks both sides agree on."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """Digest of the prompt token ids: prefill and decode must have tokenized the same prompt."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+HANDSHAKE_PATH = "/v1/pd/handshake"

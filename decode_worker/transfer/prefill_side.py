@@ -1,0 +1,129 @@
+"""Prefill side of PD: keep each finished prompt's KV under a lease and push it to the decode peer that asks.
+
+A request that reaches its first token is held by room (its pages stay locked) until the decode side's
+handshake arrives or the lease expires; either way its pages then go into prefill's own radix cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from decode_worker.api.schemas import HandshakeRequest
+from decode_worker.engine.request import RequestError
+from decode_worker.metrics import Metrics
+from decode_worker.transfer.handshake import prompt_digest
+from decode_worker.transfer.ucx_sender import KVSender
+from decode_worker.transfer.wire import TransferError, Trailer
+from decode_worker_kernels.page_copy import gather_pages
+
+if TYPE_CHECKING:
+    from decode_worker.cache.pool import KVPool
+    from decode_worker.config import ServerConfig
+    from decode_worker.engine.scheduler import Req, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lease:
+    req: "Req"
+    expires: float
+
+
+@dataclass
+class KVHandoff:
+    config: "ServerConfig"
+    pool: "KVPool"
+    sender: KVSender
+    metrics: Metrics
+    scheduler: "Scheduler | None" = None
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def on_prefilled(self, req: "Req") -> bool:
+        """Scheduler hook after the first token: hold a PD request's KV for its decode peer."""
+        if req.inp.bootstrap is None:
+            return False  # a plain request on a prefill worker is served to the end
+        room = req.inp.bootstrap.room
+        self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s)
+        self._arrived.setdefault(room, asyncio.Event()).set()
+        return True
+
+    def expire(self) -> None:
+        """Free held KV whose decode peer never came."""
+        now = time.monotonic()
+        for room, lease in list(self.leases.items()):
+            if lease.expires < now:
+                log.warning("KV lease of room %d expired without a handshake", room)
+                self._drop(room)
+                self.scheduler.release_held(lease.req)
+
+    def _drop(self, room: int) -> _Lease | None:
+        self._arrived.pop(room, None)
+        return self.leases.pop(room, None)
+
+    async def handshake(self, body: HandshakeRequest) -> dict:
+        if not hmac.compare_digest(body.token.encode(), self.config.pd_token.encode()):
+            raise RequestError("PD token mismatch", 401, "unauthorized")
+        layout = self.pool.layout
+        diff = layout.differences(body.layout)
+        if diff:
+            raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
+        lease = await self._wait_for_room(body.room)
+        req = lease.req
+        prompt = req.seq.prompt_ids
+        if body.prompt_len != len(prompt) or body.prompt_digest != prompt_digest(prompt):
+            self.scheduler.release_held(req)
+            raise RequestError(f"prompt mismatch for room {body.room}: decode has {body.prompt_len} tokens "
+                               f"(digest {body.prompt_digest}), prefill has {len(prompt)} (digest "
+                               f"{prompt_digest(prompt)})", 409, "digest_mismatch")
+        ps = layout.page_size
+        if body.decode_prefix_len % ps or not 0 <= body.decode_prefix_len <= len(prompt):
+            self.scheduler.release_held(req)
+            raise RequestError(f"decode_prefix_len {body.decode_prefix_len} must be a multiple of the page size "
+                               f"{ps} within the {len(prompt)}-token prompt")
+        pages = req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)]
+        import torch
+
+        staging = await asyncio.to_thread(gather_pages, self.pool.buffer, torch.tensor(pages, dtype=torch.int64))
+        trailer = Trailer(req.seq.output_ids[0], req.seq.output_logprobs[0])
+        address = base64.b64decode(body.ucx_address)
+        task = asyncio.get_running_loop().create_task(self._push(req, address, body.room, staging, trailer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return {"status": "sending", "room": body.room, "tokens": len(prompt) - body.decode_prefix_len,
+                "nbytes": staging.numel() * staging.element_size()}
+
+    async def _wait_for_room(self, room: int) -> _Lease:
+        """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""
+        event = self._arrived.setdefault(room, asyncio.Event())
+        try:
+            async with asyncio.timeout(self.config.kv_lease_s):
+                await event.wait()
+        except TimeoutError:
+            self._arrived.pop(room, None)
+            raise RequestError(f"unknown room {room}: no prefilled request with it arrived in time", 404, "unknown_room") from None
+        lease = self._drop(room)
+        if lease is None:
+            raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
+        return lease
+
+    async def _push(self, req: "Req", address: bytes, room: int, staging, trailer: Trailer) -> None:
+        try:
+            await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
+        except TransferError as e:
+            self.metrics.transfer_failures.labels(e.reason).inc()
+            log.warning("push of room %d failed: %s", room, e)
+        finally:
+            self.scheduler.release_held(req)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.transfer_timeout_s)
+        await self.sender.close()

@@ -1,0 +1,157 @@
+"""A colocated worker as a real process: the HTTP API, errors, cache figures and page accounting."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.servers import start_worker
+
+LONG = "The history of the Roman Empire is long and complicated, full of emperors and wars. " * 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path):
+    proc = start_worker("colocated", tmp_path_factory.mktemp("logs"), "colocated", "--max-running-requests", "48",
+                        "--max-total-tokens", "4096")  # 32 long streams overflow it: retraction is exercised
+    yield proc
+    proc.stop()
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def wait_idle(server, timeout_s=30.0):
+    """Until no request holds pages: locked and request-owned ('used') device pages are zero."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.metric("decode_worker_cache_pages", tier="device", state="locked") == 0 and \
+                server.metric("decode_worker_cache_pages", tier="device", state="used") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("device pages still held:\n" + server.tail())
+
+
+def test_generate_plain_and_cached_repeat(server):
+    body = {"text": LONG + "Tell me", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    first = post(server, "/generate", body).json()
+    second = post(server, "/generate", body).json()
+    assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 8
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert second["meta_info"]["cached_tokens"] > 0
+    assert second["meta_info"]["cached_tokens_details"]["device"] == second["meta_info"]["cached_tokens"]
+    assert second["meta_info"]["cached_tokens"] % 16 == 0  # page-aligned reuse
+    wait_idle(server)
+
+
+def test_generate_batch_input_ids_and_logprobs(server):
+    body = {"input_ids": [[1, 504, 3575], [1, 504]], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True}
+    out = post(server, "/generate", body).json()
+    assert isinstance(out, list) and len(out) == 2
+    for item in out:
+        assert len(item["output_ids"]) == 3
+        lps = item["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == item["output_ids"] and all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_generate_stream_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/generate", timeout=60,
+                      json={"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}) as r:
+        lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[6:]) for l in lines[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_string_and_unknown_fields(server):
+    out = post(server, "/generate", {"text": "Count: 1, 2, 3,", "whatever": 1,
+                                      "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop": [" 6"], "foo": 2}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 6"}
+    assert " 6" not in out["text"]
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ("{not json", 400, "malformed JSON"),
+    ({"sampling_params": {"max_new_tokens": 4}}, 400, "text or input_ids"),
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ({"text": "hi " * 9000, "sampling_params": {"max_new_tokens": 4}}, 400, "context"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 9000}}, 400, "KV pool"),
+    ({"input_ids": [1, 999999], "sampling_params": {"max_new_tokens": 4}}, 400, "input_ids"),
+])
+def test_bad_requests_get_clear_errors(server, body, status, fragment):
+    if isinstance(body, str):
+        r = httpx.post(server.url + "/generate", content=body, timeout=30)
+    else:
+        r = post(server, "/generate", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["code"] == status and err["type"]
+
+
+def test_openai_clients(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                          max_tokens=24, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    parts = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                                max_tokens=8, temperature=0, stream=True))
+    assert parts[-1].choices[0].finish_reason in ("stop", "length")
+    comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, stream=True))
+    assert comp.choices[0].text == streamed and "Paris" in streamed
+    assert comp.usage.completion_tokens == 4
+
+
+def test_info_routes(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["served_model_name"] and info["role"] == "colocated" and "pd_token" not in info
+    assert httpx.get(server.url + "/get_server_info").json()["kv_layout_fingerprint"] == info["kv_layout_fingerprint"]
+    assert httpx.get(server.url + "/model_info").json()["is_generation"] is True
+    assert "num_reqs" in httpx.get(server.url + "/get_load").json()
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("prompt_tokens_total", "cached_tokens_total", "kv_received_tokens_total", "requests_total",
+                 "ttft_seconds", "cache_pages", "queue_requests", "running_requests", "evicted_tokens_total"):
+        assert f"decode_worker_{name}" in text, name
+
+
+def test_concurrent_streams_and_disconnect_free_every_page(server):
+    async def one(client, i, cut):
+        body = {"text": f"{LONG} Question {i}:", "stream": True, "sampling_params": {"max_new_tokens": 24, "temperature": 0.7, "seed": i, "ignore_eos": True}}
+        n = 0
+        async with client.stream("POST", server.url + "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    if cut and n == 3:
+                        return n  # leaves mid-stream: the server must abort and free its pages
+        return n
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i, cut=i % 8 == 0) for i in range(32)))
+
+    counts = asyncio.run(run())
+    assert all(c == 24 for i, c in enumerate(counts) if i % 8), counts
+    wait_idle(server)
+    assert server.metric("decode_worker_requests_total", outcome="aborted") >= 1
+    assert server.metric("decode_worker_retractions_total") >= 1  # 32 x ~180 tokens overflow the 4096-token L1
+
+
+def test_flush_cache(server):
+    post(server, "/generate", {"text": LONG, "sampling_params": {"max_new_tokens": 2}})
+    wait_idle(server)
+    assert post(server, "/flush_cache", {}).json()["success"] is True
+    assert server.metric("decode_worker_cache_pages", tier="device", state="evictable") == 0

@@ -1,0 +1,97 @@
+"""Start real worker and router processes on loopback for integration and end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            series, value = line.rsplit(" ", 1)
+            metric, _, label_text = series.partition("{")
+            if metric != name:
+                continue
+            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+def start(name: str, cmd: list[str], url: str, log_dir: Path, env: dict[str, str] | None = None,
+          health: str = "/health", timeout_s: float = 240) -> Proc:
+    log = log_dir / f"{name}.log"
+    full_env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **(env or {})}
+    popen = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    proc = Proc(name, popen, url, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.tail()}")
+        try:
+            if httpx.get(url + health, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.stop()
+    raise RuntimeError(f"{name} not healthy after {timeout_s} s:\n{proc.tail()}")
+
+
+def start_worker(name: str, log_dir: Path, role: str = "colocated", *flags: str, env: dict[str, str] | None = None) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "decode_worker.cli", "serve", "--role", role, "--port", str(port),
+           "--max-total-tokens", "8192", *flags]
+    return start(name, cmd, f"http://127.0.0.1:{port}", log_dir, env)
+
+
+def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
+    port = free_port()
+    prefill_port = prefill.url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--prefill", prefill.url, prefill_port, "--decode", decode.url,
+           "--host", "127.0.0.1", "--port", str(port)]
+    return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
