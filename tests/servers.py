@@ -95,3 +95,31 @@ def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
            "--prefill", prefill.url, prefill_port, "--decode", decode.url,
            "--host", "127.0.0.1", "--port", str(port)]
     return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
+
+
+def pd_generate(prefill: Proc, decode: Proc, body: dict, room: int, prefill_port: int | None = None,
+                timeout: float = 120) -> httpx.Response:
+    """What a PD router does: the same body, plus bootstrap fields, to prefill and decode at once."""
+    import concurrent.futures
+
+    port = prefill_port if prefill_port is not None else int(prefill.url.rsplit(":", 1)[1])
+    full = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(httpx.post, prefill.url + "/generate", json=full, timeout=timeout)
+        d = pool.submit(httpx.post, decode.url + "/generate", json=full, timeout=timeout)
+        try:
+            p.result()
+        except httpx.HTTPError:
+            pass  # a prefill that dies or hangs is what some tests are about
+        return d.result()
+
+
+def wait_pages_free(proc: Proc, timeout_s: float = 30.0) -> None:
+    """Until no request holds device pages (locked or request-owned)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.metric("decode_worker_cache_pages", tier="device", state="locked") == 0 and \
+                proc.metric("decode_worker_cache_pages", tier="device", state="used") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{proc.name} still holds device pages:\n{proc.tail()}")

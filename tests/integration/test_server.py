@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.servers import start_worker
+from tests.servers import start_worker, wait_pages_free
 
 LONG = "The history of the Roman Empire is long and complicated, full of emperors and wars. " * 8
 
@@ -24,19 +24,6 @@ def post(server, path, body, **kw):
     return httpx.post(server.url + path, json=body, timeout=120, **kw)
 
 
-def wait_idle(server, timeout_s=30.0):
-    """Until no request holds pages: locked and request-owned ('used') device pages are zero."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.metric("decode_worker_cache_pages", tier="device", state="locked") == 0 and \
-                server.metric("decode_worker_cache_pages", tier="device", state="used") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("device pages still held:\n" + server.tail())
-
-
 def test_generate_plain_and_cached_repeat(server):
     body = {"text": LONG + "Tell me", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     first = post(server, "/generate", body).json()
@@ -46,7 +33,7 @@ def test_generate_plain_and_cached_repeat(server):
     assert second["meta_info"]["cached_tokens"] > 0
     assert second["meta_info"]["cached_tokens_details"]["device"] == second["meta_info"]["cached_tokens"]
     assert second["meta_info"]["cached_tokens"] % 16 == 0  # page-aligned reuse
-    wait_idle(server)
+    wait_pages_free(server)
 
 
 def test_generate_batch_input_ids_and_logprobs(server):
@@ -145,13 +132,13 @@ def test_concurrent_streams_and_disconnect_free_every_page(server):
 
     counts = asyncio.run(run())
     assert all(c == 24 for i, c in enumerate(counts) if i % 8), counts
-    wait_idle(server)
+    wait_pages_free(server)
     assert server.metric("decode_worker_requests_total", outcome="aborted") >= 1
     assert server.metric("decode_worker_retractions_total") >= 1  # 32 x ~180 tokens overflow the 4096-token L1
 
 
 def test_flush_cache(server):
     post(server, "/generate", {"text": LONG, "sampling_params": {"max_new_tokens": 2}})
-    wait_idle(server)
+    wait_pages_free(server)
     assert post(server, "/flush_cache", {}).json()["success"] is True
     assert server.metric("decode_worker_cache_pages", tier="device", state="evictable") == 0

@@ -1,0 +1,175 @@
+"""Prefill and decode as two real processes on loopback: PD output, delta-only transfer, and faults.
+
+Every fault must fail only its own request, within its deadline, with a clear error, leave no decode page
+held, and let the next request succeed.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.servers import pd_generate, start_worker, wait_pages_free
+
+TOKEN = {"DECODE_WORKER_PD_TOKEN": "s3cret"}
+PROMPT = "A long shared system prompt about the history of Rome and its emperors, wars and roads. " * 6
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+rooms = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("pd-logs")
+
+
+@pytest.fixture(scope="module")
+def prefill(logs, smollm2_path):
+    proc = start_worker("prefill", logs, "prefill", "--kv-lease-s", "3", env=TOKEN)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def decode(logs, smollm2_path):
+    proc = start_worker("decode", logs, "decode", "--disaggregation-decode-enable-radix-cache",
+                        "--handshake-timeout-s", "5", "--transfer-timeout-s", "5", env=TOKEN)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(logs, smollm2_path):
+    proc = start_worker("colocated", logs, "colocated")
+    yield proc
+    proc.stop()
+
+
+def reference(colocated, text: str) -> list[int]:
+    return httpx.post(colocated.url + "/generate", json={"text": text, "sampling_params": GREEDY}, timeout=120).json()["output_ids"]
+
+
+def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode, colocated):
+    text_a, text_b = PROMPT + "Question A: who built the roads?", PROMPT + "Question B: who won the wars?"
+    before = decode.metric("decode_worker_kv_received_tokens_total")
+    first = pd_generate(prefill, decode, {"text": text_a, "sampling_params": GREEDY}, next(rooms))
+    assert first.status_code == 200, first.text
+    a = first.json()
+    assert a["output_ids"] == reference(colocated, text_a)
+    assert decode.metric("decode_worker_kv_received_tokens_total") - before == a["meta_info"]["prompt_tokens"]
+
+    before = decode.metric("decode_worker_kv_received_tokens_total")
+    b = pd_generate(prefill, decode, {"text": text_b, "sampling_params": GREEDY}, next(rooms)).json()
+    cached = b["meta_info"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0
+    received = decode.metric("decode_worker_kv_received_tokens_total") - before
+    assert received == b["meta_info"]["prompt_tokens"] - cached  # exactly the delta
+    assert b["output_ids"] == reference(colocated, text_b)
+    wait_pages_free(decode)
+
+
+def test_full_prefix_hit_still_gets_the_first_token(prefill, decode, colocated):
+    prompt_ids = [1] * 64  # a page-aligned prompt: the second request finds every prompt page cached
+    body = {"input_ids": prompt_ids, "sampling_params": GREEDY}
+    pd_generate(prefill, decode, body, next(rooms))
+    before = decode.metric("decode_worker_kv_received_tokens_total")
+    again = pd_generate(prefill, decode, body, next(rooms)).json()
+    assert again["meta_info"]["cached_tokens"] == 64
+    assert decode.metric("decode_worker_kv_received_tokens_total") == before
+    ref = httpx.post(colocated.url + "/generate", json=body).json()["output_ids"]
+    assert again["output_ids"] == ref
+
+
+def assert_fails_cleanly(resp, decode, prefill, started: float, limit_s: float, fragment: str):
+    elapsed = time.monotonic() - started
+    assert resp.status_code >= 400, resp.text
+    assert fragment in resp.json()["error"]["message"], resp.text
+    assert elapsed < limit_s, f"took {elapsed:.1f}s"
+    wait_pages_free(decode)
+    ok = pd_generate(prefill, decode, {"text": "Hello again", "sampling_params": GREEDY}, next(rooms))
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 12
+
+
+def test_wrong_token(logs, prefill, decode):
+    other = start_worker("prefill-badtoken", logs, "prefill", env={"DECODE_WORKER_PD_TOKEN": "wrong"})
+    try:
+        t = time.monotonic()
+        port = int(other.url.rsplit(":", 1)[1])
+        resp = pd_generate(other, decode, {"text": "Hi", "sampling_params": GREEDY}, next(rooms), prefill_port=port)
+        assert_fails_cleanly(resp, decode, prefill, t, 10, "401")
+        assert decode.metric("decode_worker_transfer_failures_total", reason="unauthorized") >= 1
+    finally:
+        other.stop()
+
+
+def test_layout_mismatch(logs, prefill, decode):
+    other = start_worker("prefill-page8", logs, "prefill", "--page-size", "8", env=TOKEN)
+    try:
+        t = time.monotonic()
+        port = int(other.url.rsplit(":", 1)[1])
+        resp = pd_generate(other, decode, {"text": "Hi", "sampling_params": GREEDY}, next(rooms), prefill_port=port)
+        assert_fails_cleanly(resp, decode, prefill, t, 10, "page_size")
+    finally:
+        other.stop()
+
+
+def test_digest_mismatch(prefill, decode):
+    room = next(rooms)
+    port = int(prefill.url.rsplit(":", 1)[1])
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    t = time.monotonic()
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("p", httpx.post(
+        prefill.url + "/generate", json={"text": "Prompt one", "sampling_params": GREEDY, **boot}, timeout=60)))
+    th.start()
+    resp = httpx.post(decode.url + "/generate", json={"text": "Prompt two", "sampling_params": GREEDY, **boot}, timeout=60)
+    th.join()
+    assert_fails_cleanly(resp, decode, prefill, t, 10, "prompt mismatch")
+
+
+def test_prefill_never_answers(prefill, decode):
+    """A bootstrap server that accepts connections and never replies: the handshake deadline fires."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    try:
+        t = time.monotonic()
+        resp = pd_generate(prefill, decode, {"text": "Hi", "sampling_params": GREEDY}, next(rooms),
+                           prefill_port=sock.getsockname()[1])
+        assert_fails_cleanly(resp, decode, prefill, t, 5 + 5, "timed out")
+    finally:
+        sock.close()
+
+
+def test_prefill_without_the_room(prefill, decode):
+    """The prefill side never saw the request: it answers 404 after its lease, the decode request fails."""
+    t = time.monotonic()
+    port = int(prefill.url.rsplit(":", 1)[1])
+    resp = httpx.post(decode.url + "/generate", json={"text": "Hi", "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
+                                                      "bootstrap_port": port, "bootstrap_room": next(rooms)}, timeout=60)
+    assert_fails_cleanly(resp, decode, prefill, t, 10, "unknown room")
+
+
+def test_prefill_killed_mid_request(logs, prefill, decode):
+    victim = start_worker("prefill-victim", logs, "prefill", "--kv-lease-s", "30", env=TOKEN)
+    port = int(victim.url.rsplit(":", 1)[1])
+    room = next(rooms)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    body = {"text": PROMPT * 3, "sampling_params": GREEDY, **boot}
+    t = time.monotonic()
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("d", httpx.post(decode.url + "/generate", json=body, timeout=60)))
+    th.start()
+    # Kill prefill while it computes or holds the KV: the decode side is mid handshake/transfer.
+    httpx.post(victim.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    victim.kill()
+    th.join()
+    assert_fails_cleanly(result["d"], decode, prefill, t, 15, "prefill")
+
+
+def test_decode_rejects_requests_without_bootstrap(decode):
+    r = httpx.post(decode.url + "/generate", json={"text": "Hi"}, timeout=10)
+    assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
