@@ -177,7 +177,8 @@ class Scheduler:
             self.steps += 1
             if not worked:
                 self._wakeup.clear()
-                timeout = 0.005 if self.loading else (1.0 if self.held else None)
+                # Keep polling while copies are in flight: their locks drop only when poll() sees them done.
+                timeout = 0.005 if self.loading or self.cache.busy else (1.0 if self.held else None)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 except asyncio.TimeoutError:
