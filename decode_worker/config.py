@@ -38,7 +38,7 @@ class ServerConfig:
     max_running_requests: int = _opt("largest decode batch", 64)
     max_prefill_tokens: int = _opt("most new prompt tokens computed in one extend step", 4096)
     cuda_graph_max_bs: int = _opt("largest batch captured as a CUDA graph (0 turns graphs off)", 64)
-    ucx_host: str = _opt("address the UCX listener binds to", "127.0.0.1")
+    ucx_host: str = _opt("address prefill workers use to reach this decode worker's UCX listener", "127.0.0.1")
     ucx_port: int = _opt("UCX listener port for control and peer liveness (0 picks a free port)", 0)
     bootstrap_port: int | None = _opt("prefill handshake port used when a request's bootstrap_port is null")
     pd_token: str = _opt("shared secret checked in the PD handshake", "")
@@ -57,6 +57,11 @@ class ServerConfig:
     log_level: str = _opt("logging level", "info")
 
     def validate(self) -> None:
+        hints = get_type_hints(ServerConfig)
+        for f in dataclasses.fields(self):  # env values bypass argparse's choices: check them here
+            allowed = get_args(hints[f.name]) if getattr(hints[f.name], "__origin__", None) is Literal else None
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ConfigError(f"{_flag(f.name)} must be one of {', '.join(allowed)}, not {getattr(self, f.name)!r}")
         if self.disaggregation_decode_enable_hicache and not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError(
                 "--disaggregation-decode-enable-hicache requires --disaggregation-decode-enable-radix-cache"
