@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ import uvloop
 
 from decode_worker.transfer.ucx_receiver import DRAIN_S, KVReceiver
 from decode_worker.transfer.wire import Trailer, TransferError
+
+pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -84,10 +87,13 @@ uvloop.run(main())
 
 
 class Sender:
-    """A sender process; ``lines`` yields its JSON reports as they come."""
+    """A sender process and its JSON reports."""
+
+    spawned: ClassVar[list[asyncio.subprocess.Process]] = []  # killed after each test, whatever happened
 
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
+        self.spawned.append(proc)
 
     @classmethod
     async def spawn(cls, rx: KVReceiver, batches: list[list[dict]], mode: str = "normal", fill: str = "random"):
@@ -117,6 +123,11 @@ def run(body: Callable[[KVReceiver], Awaitable[None]]) -> None:
         try:
             await body(rx)
         finally:
+            for proc in Sender.spawned:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            Sender.spawned.clear()
             await rx.close()
     uvloop.run(main())
 
@@ -140,7 +151,7 @@ def test_three_rooms_in_flight_at_once():
     async def body(rx: KVReceiver) -> None:
         futures = {room: rx.expect(room, n, into[room], deadline_s=30) for room, n in sizes.items()}
         sender = await Sender.spawn(rx, [[{"room": room, "nbytes": n} for room, n in sizes.items()]])
-        trailers = dict(zip(futures, await asyncio.gather(*futures.values())))
+        trailers = dict(zip(futures, await asyncio.gather(*futures.values()), strict=True))
         reports, rc = await sender.finish()
         assert rc == 0
         sent = by_room(reports)
@@ -223,8 +234,10 @@ def test_cancel_frees_the_room_and_its_posted_receive():
         posted = rx.expect(501, MB, old, deadline_s=30)
         late = await Sender.spawn(rx, [[{"room": 501, "nbytes": MB}]], mode="late")
         assert await late.line() == {"offered": True}
-        while rx._rooms[501].slot is None:  # white-box: wait until the receive is posted
-            await asyncio.sleep(0.01)
+        async def receive_posted() -> None:  # white-box: the receive for the offer is posted
+            while rx._rooms[501].slot is None:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(receive_posted(), 30)
         t0 = time.monotonic()
         rx.cancel(501)
         with pytest.raises(TransferError) as err:

@@ -1,0 +1,266 @@
+"""Decode side of the KV data plane: receive each room's delta KV straight into the pages given for it.
+
+Senders connect to our listener (endpoint error handling on, so a dead sender is noticed) for control
+messages, and push payloads over a worker-address endpoint without error handling (shared memory / CMA
+here, RDMA on InfiniBand). Each payload carries its own tag, so any number of rooms can be in flight
+from one sender.
+
+A posted UCX receive cannot be cancelled on its own, only by closing the endpoint it was posted through.
+So each receive is posted through its own "slot": an endpoint to our own worker. Tag matching is
+worker-wide, so the payload still matches; closing the slot cancels exactly that receive. Slots are
+pooled because creating one costs ~10 ms in thread progress mode.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .ucx_channel import (
+    Endpoint,
+    acquire,
+    as_buffer,
+    close_endpoint,
+    connect_bulk,
+    listen,
+    release,
+    send_quietly,
+    worker_address,
+)
+from .wire import MSG_SIZE, Kind, Msg, PeerAddress, Trailer, TransferError
+
+logger = logging.getLogger(__name__)
+
+DRAIN_S = 1.0
+"""After a room fails mid-receive, how long a transfer already in flight may take to finish landing."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One sender's control connection; losing it fails every room it claimed."""
+
+    ep: Endpoint
+    rooms: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Room:
+    room: int
+    nbytes: int
+    buf: object  # the first nbytes of the caller's tensor, flat: UCX writes here, no copy
+    result: asyncio.Future[Trailer]
+    timer: asyncio.TimerHandle | None = None
+    peer: _Peer | None = None  # the sender whose OFFER claimed the room
+    offer: Msg | None = None
+    receiving: asyncio.Task | None = None
+    slot: Endpoint | None = None  # holds the posted receive while it may still be cancelled
+    error: TransferError | None = None  # set once the room is failing
+
+
+class KVReceiver:
+    """Owns the control listener; ``expect()`` a room before the handshake, then await its result.
+
+    The future of ``expect()`` settles once nothing writes into the room's buffer any more, so the caller
+    frees the pages exactly then: with the ``Trailer`` when all bytes landed, with ``TransferError``
+    otherwise. It fails by the deadline, or up to ``DRAIN_S`` later if a payload was already landing; a
+    sender still writing after that (alive but stalled mid-payload) is the one case where the buffer is
+    handed back while UCX may still write, and it is logged.
+    """
+
+    def __init__(self, host: str):
+        self.host = host
+        self.port = 0
+        self._worker = worker_address()
+        self._listener = None
+        self._rooms: dict[int, _Room] = {}
+        self._peers: list[_Peer] = []
+        self._slots: list[Endpoint] = []
+        self._drain: Endpoint | None = None  # where payloads we refuse are truncated away
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    @classmethod
+    async def start(cls, host: str = "127.0.0.1", port: int = 0, spare_slots: int = 4) -> KVReceiver:
+        """Listen on ``port`` (0: any); ``host`` is the address senders are told to connect to."""
+        acquire()
+        self = cls(host)
+        self._listener = listen(self._serve, port)
+        self.port = self._listener.port
+        self._drain = await connect_bulk(self._worker)
+        for _ in range(spare_slots):
+            self._slots.append(await connect_bulk(self._worker))
+        return self
+
+    @property
+    def address(self) -> bytes:
+        """Opaque address for the handshake: listener host/port plus UCX worker address."""
+        return PeerAddress(self.host, self.port, self._worker).pack()
+
+    def expect(self, room: int, nbytes: int, into: torch.Tensor, deadline_s: float) -> asyncio.Future[Trailer]:
+        """Accept ``nbytes`` for ``room`` into the first bytes of the contiguous tensor ``into``.
+
+        Abort with ``cancel(room)`` and keep awaiting (shield it from task cancellation): cancelling the
+        future itself also releases the room, but then nothing tells when the buffer is free.
+        """
+        if self._closed:
+            raise RuntimeError("receiver is closed")
+        if room in self._rooms:
+            raise ValueError(f"room {room} is already expected")
+        loop = asyncio.get_running_loop()
+        r = _Room(room, nbytes, as_buffer(into, nbytes), loop.create_future())
+        r.timer = loop.call_later(deadline_s, self._fail, r, "timeout")
+        r.result.add_done_callback(lambda f: f.cancelled() and self._fail(r, "cancelled"))
+        self._rooms[room] = r
+        return r.result
+
+    def cancel(self, room: int) -> None:
+        """Give up on ``room``: its future fails with reason ``cancelled`` once its buffer is free."""
+        if (r := self._rooms.get(room)) is not None:
+            self._fail(r, "cancelled")
+
+    async def close(self) -> None:
+        """Fail every room, wait until their buffers are free, drop all connections."""
+        if self._closed:
+            return
+        self._closed = True
+        rooms = list(self._rooms.values())
+        for r in rooms:
+            self._fail(r, "cancelled")
+        if rooms:
+            await asyncio.wait([r.result for r in rooms], timeout=DRAIN_S + 1)
+        for ep in [p.ep for p in self._peers] + self._slots + [self._drain]:
+            close_endpoint(ep)  # also cancels pending truncations
+        self._slots.clear()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1)
+        for _ in range(100):  # connection handlers return once their endpoint is closed
+            if not self._listener.active_clients:
+                break
+            await asyncio.sleep(0.01)
+        self._listener.close()
+        self._listener = self._drain = None
+        release()
+
+    # -- control connections ------------------------------------------------------------------------
+
+    async def _serve(self, ep: Endpoint) -> None:
+        peer = _Peer(ep)
+        self._peers.append(peer)
+        try:
+            while True:
+                buf = bytearray(MSG_SIZE)
+                await ep.recv(buf)
+                self._on_message(peer, Msg.unpack(buf))
+        except Exception as e:  # ucxx raises its own error types when the peer closes or dies
+            logger.debug("KV sender connection ended: %r", e)
+        finally:
+            self._peers.remove(peer)
+            for room in list(peer.rooms):
+                self._fail(self._rooms[room], "peer_lost")
+            close_endpoint(ep)
+
+    def _on_message(self, peer: _Peer, msg: Msg) -> None:
+        r = self._rooms.get(msg.room)
+        if msg.kind is Kind.OFFER:
+            self._on_offer(peer, r, msg)
+        elif msg.kind is Kind.ABORT:
+            if r is not None and r.peer is peer and r.offer.xfer == msg.xfer:
+                self._fail(r, msg.reason or "cancelled", "the sender aborted")  # the verdict follows
+            else:
+                self._reply(peer, msg, Kind.REJECT, msg.reason or "cancelled")
+
+    def _on_offer(self, peer: _Peer, r: _Room | None, msg: Msg) -> None:
+        if r is None or r.peer is not None or r.error is not None:
+            self._refuse(peer, msg, "unknown_room")
+        elif msg.nbytes != r.nbytes:
+            self._refuse(peer, msg, "size_mismatch")
+            self._fail(r, "size_mismatch", f"offered {msg.nbytes} bytes, expected {r.nbytes}")
+        else:
+            r.peer, r.offer = peer, msg
+            peer.rooms.add(r.room)
+            if r.nbytes == 0:
+                self._settle(r)
+            else:
+                r.receiving = self._spawn(self._receive(r))
+
+    # -- one room -----------------------------------------------------------------------------------
+
+    async def _receive(self, r: _Room) -> None:
+        try:
+            slot = self._slots.pop() if self._slots else await connect_bulk(self._worker)
+        except Exception as e:
+            self._fail(r, "peer_lost", f"no receive slot: {e!r}")
+            slot = None
+        landed = False
+        if r.error is None:
+            r.slot = slot
+            try:
+                await slot.recv(r.buf, tag=r.offer.tag, force_tag=True)
+                landed = True
+            except Exception as e:  # cancelled by _fail(), or the transport failed
+                self._fail(r, "peer_lost", f"receive failed: {e!r}")
+        if slot is not None and r.slot is slot and not self._closed:
+            self._slots.append(slot)  # _fail() closes and forgets the slot of a receive it cancels
+        r.slot = None
+        if not landed and r.error.reason != "peer_lost":
+            self._spawn(self._truncate(r.offer.tag))  # the payload still comes; take it off the sender
+        self._settle(r)
+
+    def _fail(self, r: _Room, reason: str, detail: str = "") -> None:
+        if r.error is not None or self._rooms.get(r.room) is not r:
+            return
+        r.error = TransferError(r.room, reason, detail)
+        if r.receiving is None:
+            self._settle(r)
+            return
+        close_endpoint(r.slot)  # cancels the receive unless its data is already landing
+        r.slot = None
+        r.timer.cancel()
+        r.timer = asyncio.get_running_loop().call_later(DRAIN_S, self._abandon, r)
+
+    def _abandon(self, r: _Room) -> None:
+        logger.warning("room %d: payload still landing %.1f s after %s; releasing its buffer anyway",
+                       r.room, DRAIN_S, r.error.reason)
+        self._settle(r)
+
+    def _settle(self, r: _Room) -> None:
+        if self._rooms.get(r.room) is not r:
+            return
+        del self._rooms[r.room]
+        r.timer.cancel()
+        if r.peer is not None:
+            r.peer.rooms.discard(r.room)
+            self._reply(r.peer, r.offer, Kind.REJECT if r.error else Kind.DONE, r.error.reason if r.error else "")
+        if r.result.done():
+            return
+        if r.error is None:
+            r.result.set_result(r.offer.trailer)
+        else:
+            r.result.set_exception(r.error)
+
+    def _refuse(self, peer: _Peer, offer: Msg, reason: str) -> None:
+        self._reply(peer, offer, Kind.REJECT, reason)
+        if offer.nbytes:
+            self._spawn(self._truncate(offer.tag))
+
+    async def _truncate(self, tag: int) -> None:
+        """Match a payload we will not keep with a 1-byte receive: UCX drops it, the sender is released."""
+        try:
+            await self._drain.recv(np.empty(1, np.uint8), tag=tag, force_tag=True)
+        except Exception as e:  # truncation is the expected outcome; a closed receiver cancels it
+            logger.debug("refused payload drained: %r", e)
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    def _reply(self, peer: _Peer, to: Msg, kind: Kind, reason: str = "") -> None:
+        self._spawn(send_quietly(peer.ep, Msg(kind, to.room, to.xfer, reason=reason).pack()))
+
+    def _spawn(self, coro: Coroutine) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
