@@ -171,6 +171,26 @@ def test_host_hit_aborted_while_loading(hc):
     assert_kv(dev, PROMPT, cache.match(PROMPT).device_indices)
 
 
+def test_load_back_wait_past_its_deadline(hc):
+    cache, dev, host = hc()
+    run(cache, dev, PROMPT)
+    cache.drain()
+    cache.evict_device(100)
+    cache.engine.gate.clear()
+    h = start(cache, PROMPT)
+
+    async def wait_with_deadline():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(h.wait(), timeout=0.05)
+
+    asyncio.run(wait_with_deadline())  # the deadline cancels the wait, not the copy
+    cache.release(h)
+    cache.engine.gate.set()
+    assert_quiescent(cache)
+    assert cache.match(PROMPT).device_hit_tokens == 10
+    assert_kv(dev, PROMPT, cache.match(PROMPT).device_indices)
+
+
 def test_retracted_request_resumed(hc):
     cache, dev, host = hc(write_policy="write_back")
     run(cache, dev, PROMPT)
@@ -245,7 +265,7 @@ def test_split_keeps_total_size_and_page_alignment(hc):
         run(cache, dev, s)
     cache.check_invariants(request_pages=0)
     pages_cached = {s[:p] for s in seqs for p in range(PS, len(s) + 1, PS)}
-    assert sum(len(n.key) for n in cache.tree.nodes()) == len(pages_cached) * PS == cache.tree.device_pages * PS
+    assert sum(n.num_tokens for n in cache.tree.nodes()) == len(pages_cached) * PS == cache.tree.device_pages * PS
     for q in seqs + [PROMPT[:7], PROMPT[:3] + (1,), (0,), PROMPT[:6] + (1, 1, 1)]:
         m = cache.match(q)
         assert m.hit_tokens % PS == 0 and m.device_indices.numel() * PS == m.device_hit_tokens
@@ -411,6 +431,7 @@ def test_alloc_evicts_in_one_batch(hc, monkeypatch):
     cache, dev, _ = hc(device_pages=11)
     for i in range(5):
         run(cache, dev, (i, i, i, i))
+    cache.drain()  # write_through copies pin their nodes until they land
     calls = []
     real = cache.evict_device
     monkeypatch.setattr(cache, "evict_device", lambda n: calls.append(n) or real(n))

@@ -31,7 +31,8 @@ def build(seqs: list[tuple[int, ...]], ps: int = PS) -> RadixTree:
                 child = tree.split(child, k)
             node, pos = child, pos + k
         if pos < n:
-            tree.add_child(node, key[pos * tree.page_bytes : n * tree.page_bytes], torch.arange(next_page, next_page + n - pos))
+            pb = tree.page_bytes
+            tree.add_child(node, key[pos * pb : n * pb], torch.arange(next_page, next_page + n - pos))
             next_page += n - pos
     return tree
 
@@ -101,7 +102,8 @@ def test_every_match_is_page_aligned_and_correct():
                 (p for s in stored for p in range(0, len(s) + 1, ps) if q[:p] == s[:p] and p <= len(q)), default=0
             )
             assert got % ps == 0 and got == want, (ps, q, got, want)
-        assert sum(n.num_tokens for n in tree.nodes()) == len({s[:p] for s in stored for p in range(ps, len(s) + 1, ps)}) * ps
+        distinct_pages = {s[:p] for s in stored for p in range(ps, len(s) + 1, ps)}
+        assert sum(n.num_tokens for n in tree.nodes()) == len(distinct_pages) * ps
 
 
 def test_common_pages_binary_search_on_a_long_node():
@@ -140,7 +142,7 @@ def test_page_hashes_are_chained_seeded_and_independent_of_splits():
     whole = build([seq])
     split = build([seq, seq[:4] + (7, 7, 7, 7)])
     want = whole.page_hashes(next(whole.nodes()))
-    got = [h for n in split.match(seq)[0] for h in split.page_hashes(n)]
+    got = [h for n in match(split, seq)[0] for h in split.page_hashes(n)]
     assert got == want and len(want) == 3
     prev = hashlib.sha256(b"seed").digest()
     for i, h in enumerate(want):

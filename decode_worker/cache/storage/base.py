@@ -1,0 +1,119 @@
+"""The L3 store interface and the self-checking page record every backend stores.
+
+A store maps a page key (the radix tree's chained SHA-256 of the page's tokens, hex, seeded with the KV layout
+fingerprint) to one record. Stores are dumb and shared: another pod, another model, a crash mid-write or a
+full disk can leave anything under a key, so a record is only trusted after ``decode_record`` has checked its
+magic, version, layout fingerprint, key, length and checksum. A record that fails is a miss, never KV.
+
+Record layout (little endian)::
+
+    magic "DWKV" | version u16 | reserved u16 | layout fingerprint 16 B | page key 32 B | payload length u64
+    | crc32 u32 | payload: the page as contiguous [layer, kv, slot, kv_head, head_dim] in the pool dtype
+
+The crc32 covers the payload and every header field before it.
+"""
+from __future__ import annotations
+
+import errno
+import struct
+import zlib
+from abc import ABC, abstractmethod
+
+MAGIC = b"DWKV"
+VERSION = 1
+_HEAD = struct.Struct("<4sHH16s32sQ")  # everything the checksum covers besides the payload
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEAD.size + _CRC.size
+
+# Failure reasons of a record that did not verify (label values of storage_failures_total{reason}).
+SHORT, CORRUPT, FOREIGN = "short", "corrupt", "foreign"
+
+
+class RecordError(ValueError):
+    """A stored record that must not be loaded; ``reason`` is SHORT, CORRUPT or FOREIGN."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def seal_record(record: bytearray | memoryview, key: str, fingerprint: str) -> None:
+    """Write the header of ``record``, a buffer of HEADER_BYTES + payload whose payload is already in place.
+
+    Building the record in place lets the tier copy a page out of L2 once, straight into the record.
+    """
+    view = memoryview(record)
+    payload = view[HEADER_BYTES:]
+    head = _HEAD.pack(MAGIC, VERSION, 0, bytes.fromhex(fingerprint), bytes.fromhex(key), len(payload))
+    view[: _HEAD.size] = head
+    _CRC.pack_into(view, _HEAD.size, zlib.crc32(head, zlib.crc32(payload)))
+
+
+def encode_record(key: str, fingerprint: str, payload: bytes | memoryview) -> bytearray:
+    """A record holding a copy of ``payload`` (the page's bytes; see the module docstring for the layout)."""
+    record = bytearray(HEADER_BYTES + len(payload))
+    record[HEADER_BYTES:] = payload
+    seal_record(record, key, fingerprint)
+    return record
+
+
+def decode_record(record: bytes, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
+    """The payload of ``record`` if it is a whole, intact page of ``key`` in our layout; raises RecordError.
+
+    Lengths first (a truncated record is ``short``), then the checksum, and only then the fields it vouches
+    for: a record that checks out but names another layout is ``foreign``, not damage.
+    """
+    if len(record) < HEADER_BYTES:
+        raise RecordError(SHORT, f"{len(record)} bytes, the header alone is {HEADER_BYTES}")
+    magic, version, _, fp, rec_key, length = _HEAD.unpack_from(record)
+    if magic != MAGIC or version != VERSION:
+        raise RecordError(CORRUPT, f"magic {magic!r} version {version}")
+    ours = bytes.fromhex(fingerprint)
+    if length != payload_bytes:
+        raise RecordError(FOREIGN if fp != ours else CORRUPT, f"payload length {length}, our pages are {payload_bytes}")
+    body = memoryview(record)[HEADER_BYTES:]
+    if len(body) != length:
+        raise RecordError(SHORT if len(body) < length else CORRUPT, f"{len(body)} payload bytes, header says {length}")
+    (crc,) = _CRC.unpack_from(record, _HEAD.size)
+    if zlib.crc32(record[: _HEAD.size], zlib.crc32(body)) != crc:
+        raise RecordError(CORRUPT, "checksum mismatch")
+    if fp != ours:
+        raise RecordError(FOREIGN, f"layout fingerprint {fp.hex()} is not ours ({fingerprint})")
+    if rec_key != bytes.fromhex(key):
+        raise RecordError(CORRUPT, f"record of page {rec_key.hex()} stored under {key}")
+    return body
+
+
+class StoreBackend(ABC):
+    """Async key -> record store. Any method may raise; the StorageTier turns that into a counted miss."""
+
+    name: str
+
+    @abstractmethod
+    async def exists(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, are present (consecutive hits; the first absent key ends it)."""
+
+    @abstractmethod
+    async def get(self, keys: list[str]) -> list[bytes | None]:
+        """The record stored under each key, None where absent. Records are unverified."""
+
+    @abstractmethod
+    async def put(self, keys: list[str], records: list[memoryview]) -> None:
+        """Store records; a key already present may keep its record (keys are content addresses)."""
+
+    @abstractmethod
+    async def delete(self, keys: list[str]) -> None:
+        """Remove keys (records that failed verification, so a later backup can rewrite them)."""
+
+    def failure_reason(self, exc: Exception) -> str:
+        """Label for a failed call: ``down``, ``timeout``, ``full`` or ``error``."""
+        if isinstance(exc, TimeoutError):
+            return "timeout"
+        if isinstance(exc, ConnectionError):
+            return "down"
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "full"
+        return "error"
+
+    async def close(self) -> None:
+        """Release connections; the default has none."""

@@ -1,0 +1,34 @@
+"""How long a request waits for its L3 -> L2 prefetch before it proceeds with the pages that arrived.
+
+``best_effort`` never waits (the prefetch still fills L2 for later requests), ``timeout`` waits
+``min(cap, base + per_1k * tokens / 1000)`` so a long prefix may take longer but never unboundedly, and
+``wait_complete`` waits for every page, up to a hard cap so that a stuck store cannot stall a request forever.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    name: str = "best_effort"
+    base_s: float = 1.0
+    per_1k_tokens_s: float = 0.25
+    cap_s: float = 5.0
+    hard_cap_s: float = 30.0  # wait_complete's bound
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"prefetch policy {self.name!r} not in {POLICIES}")
+        if min(self.base_s, self.per_1k_tokens_s, self.cap_s, self.hard_cap_s) < 0:
+            raise ValueError(f"prefetch timeouts must not be negative: {self}")
+
+    def deadline_s(self, tokens: int) -> float:
+        """Seconds a request may wait for a prefetch of ``tokens`` tokens (those beyond its L1 + L2 hit)."""
+        if self.name == "best_effort":
+            return 0.0
+        if self.name == "wait_complete":
+            return self.hard_cap_s
+        return min(self.cap_s, self.base_s + self.per_1k_tokens_s * tokens / 1000)
