@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup run generate test test-all bench clean
+.PHONY: setup system-deps run generate test test-all bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,11 @@ run: setup
 generate: setup
 	$(VENV)/bin/decode-worker generate --chat "What is the capital of France?"
 
-test: setup
+# Debian packages the tests need: redis-server for the L3 storage tests (they start their own on a free port).
+system-deps:
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test-all:

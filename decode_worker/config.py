@@ -54,6 +54,10 @@ class ServerConfig:
     hicache_storage_backend: StorageBackend = _opt("L3 storage backend", "none")
     hicache_storage_url: str | None = _opt("folder for file, redis://host:port for redis")
     hicache_storage_prefetch_policy: PrefetchPolicy = _opt("how long a request waits for L3 prefetch", "best_effort")
+    hicache_storage_prefetch_timeout_base_s: float = _opt("timeout policy: seconds a request waits for any prefetch", 1.0)
+    hicache_storage_prefetch_timeout_per_1k_tokens_s: float = _opt("timeout policy: extra seconds per 1K prefetched tokens", 0.25)
+    hicache_storage_prefetch_timeout_cap_s: float = _opt("timeout policy: most seconds a request waits for a prefetch", 5.0)
+    hicache_storage_file_max_gb: float = _opt("file backend: folder size cap in GB (least recently used pages go first)", 16.0)
     log_level: str = _opt("logging level", "info")
 
     def validate(self) -> None:

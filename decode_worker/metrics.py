@@ -36,6 +36,11 @@ class _LiveCollector:
             yield fam
         yield CounterMetricFamily(PREFIX + "load_back_tokens", "Tokens copied L2 -> L1", value=stats.get("load_back_tokens", 0))
         yield CounterMetricFamily(PREFIX + "prefetch_tokens", "Tokens prefetched L3 -> L2", value=stats.get("prefetch_tokens", 0))
+        fam = CounterMetricFamily(PREFIX + "storage_failures", "L3 store calls and pages that failed, served as misses", labels=["op", "reason"])
+        for op, reasons in stats.get("storage_failures", {}).items():
+            for reason, n in reasons.items():
+                fam.add_metric([op, reason], n)
+        yield fam
         queues = self.queue_stats()
         fam = GaugeMetricFamily(PREFIX + "queue_requests", "Requests waiting per queue", labels=["queue"])
         for queue, n in queues.get("queues", {}).items():
