@@ -15,7 +15,7 @@ LONG = "The history of the Roman Empire is long and complicated, full of emperor
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
     proc = start_worker("colocated", tmp_path_factory.mktemp("logs"), "colocated", "--max-running-requests", "48",
-                        "--max-total-tokens", "4096")  # 32 long streams overflow it: retraction is exercised
+                        "--max-total-tokens", "4096")
     yield proc
     proc.stop()
 
@@ -134,7 +134,6 @@ def test_concurrent_streams_and_disconnect_free_every_page(server):
     assert all(c == 24 for i, c in enumerate(counts) if i % 8), counts
     wait_pages_free(server)
     assert server.metric("decode_worker_requests_total", outcome="aborted") >= 1
-    assert server.metric("decode_worker_retractions_total") >= 1  # 32 x ~180 tokens overflow the 4096-token L1
 
 
 def test_flush_cache(server):
