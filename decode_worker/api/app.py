@@ -18,6 +18,7 @@ from decode_worker.api.schemas import (
     CompletionRequest,
     GenerateRequest,
     HandshakeRequest,
+    OpenAISampling,
     SGLangSamplingParams,
 )
 from decode_worker.engine.request import Bootstrap, GenerateInput, RequestError, RequestStream, TokenEvent
@@ -52,9 +53,11 @@ def _sglang_params(p: SGLangSamplingParams) -> SamplingParams:
                           seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
 
 
-def _openai_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _openai_params(body: OpenAISampling, max_tokens: int) -> SamplingParams:
     if body.n != 1:
         raise RequestError("only n=1 is supported")
+    if getattr(body, "echo", False) or getattr(body, "logprobs", None):
+        raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),

@@ -40,10 +40,10 @@ class GenerateRequest(BootstrapFields):
     return_logprob: bool | list[bool] = False
 
 
-class CompletionRequest(BootstrapFields):
+class OpenAISampling(BootstrapFields):
+    """Sampling fields shared by the completions and chat routes (plus SGLang's extras top_k, ignore_eos)."""
+
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -53,9 +53,14 @@ class CompletionRequest(BootstrapFields):
     ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
+    rid: str | None = None
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
     logprobs: int | None = None
     echo: bool = False
-    rid: str | None = None
 
 
 class ChatMessage(_Lenient):
@@ -63,22 +68,11 @@ class ChatMessage(_Lenient):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(BootstrapFields):
-    model: str | None = None
+class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stream: bool = False
     logprobs: bool = False
-    rid: str | None = None
 
 
 class HandshakeRequest(_Lenient):
