@@ -15,6 +15,12 @@ A request uses it in two phases so that the budget is checked before anything mo
 request gives back exactly what it took. A load-back it started is not cancelled (another request may already
 share the restored nodes): the copy holds its own lock, finishes, and drops that lock at the next ``poll``.
 
+With an L3 ``StorageTier``, a request first looks up what lies past its L1 + L2 hit (``storage_keys``), takes L2
+pages for it (``alloc_host``), lets the tier prefetch into them, and hands the pages that arrived to
+``insert_host``, which hangs them under the matched path as host-only nodes; the two phases above then restore
+them to L1. Pages reach L3 after they reach L2: each successful L1->L2 copy queues an L2->L3 backup of its nodes
+(all of them, or under ``hit_twice`` those hit at least twice; a node already on L2 is queued on its second hit).
+
 Tiers per node: device-only, device+host, host-only. Device nodes are closed under ancestors (a parent is on
 device when a child is), host-only nodes hang below nodes that are in some tier, and a node in neither tier is
 removed with its subtree. Copies run on the ``CopyEngine`` in submission order; each pending copy holds a lock
@@ -27,17 +33,21 @@ import heapq
 from collections import deque
 from concurrent.futures import Future, wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.pool import KVPool, OutOfPages, PageAllocator
-from decode_worker.cache.radix_tree import Key, RadixTree, Tokens, TreeNode, token_key
+from decode_worker.cache.radix_tree import Key, RadixTree, Tokens, TreeNode, chain_hashes, token_key
+
+if TYPE_CHECKING:
+    from decode_worker.cache.storage.tier import StorageTier
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu")
-SELECTIVE_HITS = 2  # write_through_selective backs a node up on its second hit
+STORAGE_BACKUP_POLICIES = ("all", "hit_twice")  # which L2 pages are also backed up to L3
+SELECTIVE_HITS = 2  # write_through_selective backs a node up on its second hit; so does hit_twice to L3
 
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
 
@@ -145,17 +155,27 @@ class HierarchicalCache:
         eviction: str = "lru",
         hash_seed: str | None = None,
         engine: CopyEngine | None = None,
+        storage: StorageTier | None = None,
+        storage_backup_policy: str = "all",
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy {write_policy!r} not in {WRITE_POLICIES}")
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy {eviction!r} not in {EVICTION_POLICIES}")
+        if storage_backup_policy not in STORAGE_BACKUP_POLICIES:
+            raise ValueError(f"storage backup policy {storage_backup_policy!r} not in {STORAGE_BACKUP_POLICIES}")
+        if storage is not None and host_pool is None:
+            raise ValueError("L3 storage moves pages through L2: it needs a host pool")
         self.page_size = device_pool.page_size
         self.write_policy = write_policy
         self.lfu = eviction == "lfu"
         self.tree = RadixTree(self.page_size, device_pool.layout.fingerprint() if hash_seed is None else hash_seed)
         self.device_alloc = PageAllocator(device_pool.num_pages, reserved=1)  # page 0: scratch
+        self.host_pool = host_pool
         self.host_alloc = PageAllocator(host_pool.num_pages) if host_pool is not None else None
+        self.storage = storage
+        self.storage_backup_policy = storage_backup_policy
+        self._host_out = 0  # L2 pages handed out by alloc_host, not yet attached or freed
         if host_pool is not None and engine is None:
             engine = CopyEngine(device_pool.buffer, host_pool.buffer)
         self.engine = engine
@@ -222,6 +242,8 @@ class HierarchicalCache:
         self.counters.cached_host += n_restore * self.page_size
         if self.write_policy == "write_through_selective":
             self._backup(n for n in path if n.hit_count >= SELECTIVE_HITS)
+        if self.storage is not None and self.storage_backup_policy == "hit_twice":  # on L2, hit for the 2nd time
+            self._store(n for n in path if n.hit_count == SELECTIVE_HITS and n.on_host and n.saving is None)
         return LoadHandle(
             cache=self,
             node=last,
@@ -300,6 +322,78 @@ class HierarchicalCache:
         if backup or self.write_policy == "write_through":
             self._backup(kept)
         return cached * ps
+
+    # -- L3 storage ---------------------------------------------------------------------------------------------------
+
+    def storage_keys(self, match: MatchResult) -> list[str]:
+        """L3 keys of the whole pages of ``match.key`` past its L1 + L2 hit (what a prefetch could add)."""
+        ps, pb = self.page_size, self.tree.page_bytes
+        hit = match.hit_tokens // ps
+        if hit * pb + pb > len(match.key):
+            return []
+        prev = self.tree.root_hash
+        if match.path:
+            prev = bytes.fromhex(self.tree.page_hashes(match.path[-1])[match.tail_pages - 1])
+        return [h.hex() for h in chain_hashes(match.key[hit * pb :], ps, prev)]
+
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        """``n`` L2 pages for a prefetch, evicting host-only leaves if needed; None when L2 cannot make room.
+
+        The caller owns them until it passes them to ``insert_host`` or ``free_host``.
+        """
+        pages = self._alloc_host(n)
+        if pages is not None:
+            self._host_out += n
+        return pages
+
+    def free_host(self, pages: torch.Tensor) -> None:
+        """Return L2 pages from ``alloc_host`` that hold nothing worth keeping."""
+        self.host_alloc.free(pages)
+        self._host_out -= pages.numel()
+
+    def insert_host(self, tokens: Tokens, host_pages: torch.Tensor, from_page: int) -> range:
+        """Attach L2 pages holding pages ``from_page, from_page + 1, ...`` of ``tokens`` as a host-only node.
+
+        The tree may have changed since the prefetch began, so this matches again: pages the tree now holds are
+        freed as duplicates, and if the pages before ``from_page`` are no longer cached (evicted meanwhile), or a
+        node in neither tier blocks the spot, nothing connects and every page is freed. Returns the page indices
+        of ``tokens`` the new node holds (empty when none).
+        """
+        key = token_key(tokens)
+        tree, pb = self.tree, self.tree.page_bytes
+        end = from_page + host_pages.numel()
+        if end * pb > len(key):
+            raise ValueError(f"pages up to {end} of a {len(key) // pb}-page key")
+        path, tail = tree.match(key[: end * pb])
+        parent, have, cut = tree.root, 0, None
+        for i, node in enumerate(path):
+            if not (node.on_device or node.on_host):  # it holds the slot where our pages would go
+                have = -1
+                break
+            k = tail if i == len(path) - 1 else tree.num_pages(node)
+            if k < tree.num_pages(node):
+                cut = (node, k)
+            parent, have = node, have + k
+        start = max(have, from_page)
+        if have < from_page or start >= end:
+            self.free_host(host_pages)
+            return range(0)
+        self.free_host(host_pages[: start - from_page])
+        if cut is not None:
+            parent = self._split(*cut)
+        tree.clock += 1
+        node = TreeNode(key=key[start * pb : end * pb], parent=parent, last_access=tree.clock)
+        parent.children[node.key[:pb]] = node
+        tree.set_host(node, host_pages[start - from_page :])
+        self._host_out -= end - start
+        return range(start, end)
+
+    def _store(self, nodes: Iterable[TreeNode]) -> None:
+        """Queue one L2 -> L3 backup of the nodes' pages (the tier copies them out of L2 before returning)."""
+        nodes = list(nodes)
+        if nodes:
+            keys = [k for n in nodes for k in self.tree.page_hashes(n)]
+            self.storage.backup(keys, self.host_pool, _cat([n.host_indices for n in nodes]))
 
     # -- pages and eviction ---------------------------------------------------------------------------------------
 
@@ -502,6 +596,9 @@ class HierarchicalCache:
                     self.host_alloc.free(tree.clear_host(node))
                 else:
                     self.counters.backed_up += node.num_tokens
+        if op.kind == "backup" and ok and self.storage is not None:
+            hits = 0 if self.storage_backup_policy == "all" else SELECTIVE_HITS
+            self._store(n for n in op.nodes if n.hit_count >= hits)
         if op.drain.numel():
             self.device_alloc.free(op.drain)
             self._draining -= op.drain.numel()
@@ -552,10 +649,12 @@ class HierarchicalCache:
             out["host"] = {
                 "total": host.total,
                 "free": host.num_free,
-                "used": host.num_used - h_locked - h_evictable,
+                "used": host.num_used - h_locked - h_evictable,  # includes pages receiving an L3 prefetch
                 "evictable": h_evictable,
                 "locked": h_locked,
             }
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
         c = self.counters
         out["tokens"] = {
             "cached": {"device": c.cached_device, "host": c.cached_host},
@@ -565,8 +664,9 @@ class HierarchicalCache:
         }
         return out
 
-    def check_invariants(self, request_pages: int | None = None) -> None:
-        """Assert tree shape, tiers and page accounting; ``request_pages`` are L1 pages held outside the tree."""
+    def check_invariants(self, request_pages: int | None = None, prefetch_pages: int | None = None) -> None:
+        """Assert tree shape, tiers and page accounting; ``request_pages`` are L1 pages held outside the tree,
+        ``prefetch_pages`` L2 pages held outside it (taken with ``alloc_host``, not yet attached or freed)."""
         tree, ps, root = self.tree, self.page_size, self.tree.root
         dev, host, locked_dev = [], [], 0
         pending = set(self._pending)
@@ -600,4 +700,7 @@ class HierarchicalCache:
         host_pages = _cat(host)
         assert host_pages.unique().numel() == host_pages.numel(), "an L2 page is held by two nodes"
         host_used = 0 if self.host_alloc is None else self.host_alloc.num_used
-        assert host_used == host_pages.numel(), f"L2: {host_used} allocated != {host_pages.numel()} in tree"
+        held = host_pages.numel() + self._host_out
+        assert host_used == held, f"L2: {host_used} allocated != {host_pages.numel()} in tree + {self._host_out} out"
+        if prefetch_pages is not None:
+            assert self._host_out == prefetch_pages, f"L2: {self._host_out} pages out != {prefetch_pages} prefetching"

@@ -10,6 +10,7 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
+from decode_worker.cache.storage import open_storage
 from decode_worker.config import ServerConfig
 from decode_worker.engine.request import GenerateInput, RequestError, RequestStream
 from decode_worker.engine.sampling import SamplingParams
@@ -25,13 +26,18 @@ log = logging.getLogger(__name__)
 def cache_metrics(stats: dict) -> dict:
     """Map the cache's stats() onto the metric families of ARCHITECTURE.md section 6."""
     tokens = stats.get("tokens", {})
+    storage = stats.get("storage", {})
+    backed_up = dict(tokens.get("backed_up", {}))
+    if storage:
+        backed_up["storage"] = storage["backed_up_tokens"]
     return {
         "pages": {tier: {s: stats[tier][s] for s in ("free", "used", "evictable", "locked")}
                   for tier in ("device", "host") if tier in stats},
         "evicted_tokens": tokens.get("evicted", {}),
-        "backup_tokens": tokens.get("backed_up", {}),
+        "backup_tokens": backed_up,
         "load_back_tokens": tokens.get("loaded_back", 0),
-        "prefetch_tokens": tokens.get("prefetched", 0),
+        "prefetch_tokens": storage.get("prefetched_tokens", 0),
+        "storage_failures": storage.get("failures", {}),
     }
 
 
@@ -68,8 +74,13 @@ class Engine:
                                     ratio=cfg.disaggregation_decode_hicache_ratio,
                                     size_gb=cfg.disaggregation_decode_hicache_size or None)
             host_pool = make_host_pool(self.runner.layout, pages, self.runner.pool)
-        self.cache = HierarchicalCache(self.runner.pool, host_pool,
-                                       write_policy=cfg.disaggregation_decode_hicache_write_policy)
+        # L3 backs up what reaches L2; under write_through_selective only pages hit twice, as L2 itself does.
+        write_policy = cfg.disaggregation_decode_hicache_write_policy
+        self.cache = HierarchicalCache(
+            self.runner.pool, host_pool, write_policy=write_policy,
+            storage=open_storage(cfg, self.runner.layout),
+            storage_backup_policy="hit_twice" if write_policy == "write_through_selective" else "all",
+        )
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
@@ -121,6 +132,9 @@ class Engine:
             await self.fetcher.close()
             await self.fetcher.receiver.close()
         if self.cache is not None:
+            self.cache.drain()  # finished L1->L2 copies queue their L3 backups
+            if self.cache.storage is not None:
+                await self.cache.storage.close()  # stores queued backups, within its own deadline
             self.cache.close()
 
     # ---- requests ---------------------------------------------------------------------------------------------

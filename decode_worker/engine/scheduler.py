@@ -5,6 +5,11 @@ transfer on a decode worker) -> extend (prompt tokens not in cache, computed loc
 batch). Retracted requests wait in their own queue and block new admissions until they are back.
 The model forward runs on a dedicated thread so HTTP and UCX progress never stall behind it.
 
+With L3 storage, the first few requests in prealloc look up what the store holds past their L1 + L2 hit and
+prefetch it into L2 while they wait (``StorageFetch``). The head of the queue waits for its prefetch as the
+prefetch policy says (best_effort: not at all), then the pages that arrived join the tree as host-only nodes
+and admission proceeds as usual: the L2->L1 load-back restores them with the rest of the prefix.
+
 Page ownership of a request: its cache handle locks the matched prefix (pages the tree owns); after the
 load-back the request owns the remaining pages of ``seq.pages``. Every exit path goes through
 ``_release``, which inserts what is fully computed (when the radix cache is on) and frees the rest.
@@ -12,9 +17,10 @@ load-back the request owns the remaining pages of ``seq.pages``. Every exit path
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +29,7 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache, LoadHandle
 from decode_worker.cache.pool import OutOfPages
+from decode_worker.cache.storage.tier import Prefetch
 from decode_worker.engine.request import GenerateInput, RequestError, RequestStream, TokenEvent
 from decode_worker.engine.sampling import make_generator, sample
 from decode_worker.engine.sequence import Sequence, check_finish
@@ -34,6 +41,22 @@ log = logging.getLogger(__name__)
 # A decode worker's source of prompt KV: receives tokens [prefix, prompt_len) into the given pages and
 # returns prefill's first token and its logprob. Raises RequestError (with the failure reason) on failure.
 KVSource = Callable[["Req", torch.Tensor], Awaitable[tuple[int, float]]]
+
+STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
+
+
+@dataclass(eq=False)
+class StorageFetch:
+    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it."""
+
+    key: list[int]  # the tokens the request matches with
+    from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
+    keys: list[str]
+    deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
+    task: asyncio.Task | None = None  # exists, then prefetch, then wait as the policy says
+    prefetch: Prefetch | None = None
+    host_pages: torch.Tensor | None = None
+    settled: bool = False
 
 
 @dataclass(eq=False)
@@ -49,6 +72,8 @@ class Req:
     aborted: RequestError | None = None
     first_token_sent: bool = False
     retries: int = 0
+    fetch: StorageFetch | None = None
+    storage_span: range = range(0)  # pages of the prompt this request's prefetch put into the tree
 
     @property
     def rid(self) -> str:
@@ -79,6 +104,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.held: dict[str, Req] = {}  # prefill role: finished requests whose KV awaits hand-off
         self.requests: dict[str, Req] = {}
+        self.storage = cache.storage
+        self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
         self._wakeup = asyncio.Event()
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._task: asyncio.Task | None = None
@@ -187,6 +214,7 @@ class Scheduler:
     async def _step(self) -> bool:
         self._reap_aborted()
         self.cache.poll()
+        self._start_fetches()
         self._admit()
         self._check_loading()
         worked = False
@@ -207,18 +235,24 @@ class Scheduler:
             if not queue or len(self.running) + len(self.extend) + len(self.loading) >= self.max_running:
                 return
             req = queue[0]
+            if not self._storage_settled(req):
+                return  # the head waits for its prefetch as its policy says; FIFO, so the rest wait behind it
             if not self._try_alloc(req):
                 return
             queue.popleft()
             self.loading.append(req)
 
+    def _match_key(self, req: Req) -> list[int]:
+        """Tokens whose cached KV the request can use. Locally computed requests need at least their last token
+        extended to get its logits; a fresh PD request gets KV for its whole prompt."""
+        seq = req.seq
+        return seq.prompt_ids if self.kv_source is not None and not seq.output_ids else seq.token_ids[:-1]
+
     def _try_alloc(self, req: Req) -> bool:
         """Match, check the budget, lock and allocate; False (taking nothing) when it does not fit now."""
         seq, ps = req.seq, self.page_size
         pd_fresh = self.kv_source is not None and not seq.output_ids
-        # Locally computed requests need at least their last token extended to get its logits.
-        key = seq.prompt_ids if pd_fresh else seq.token_ids[:-1]
-        match = self.cache.match(key if self.radix else [])
+        match = self.cache.match(self._match_key(req) if self.radix else [])
         kv_tokens = len(seq.prompt_ids) if pd_fresh else seq.num_tokens
         prefix_pages = (match.device_hit_tokens + match.host_hit_tokens) // ps
         delta = -(-kv_tokens // ps) - prefix_pages
@@ -232,13 +266,92 @@ class Scheduler:
             return False
         req.prefix_pages = req.handle.device_indices.numel()
         if not seq.output_ids:  # report only the first admission, not a resumption
-            req.cached = {"device": req.handle.device_hit_tokens, "host": req.handle.restored_tokens, "storage": 0}
+            h, span = req.handle, req.storage_span
+            restored_from = req.prefix_pages - h.restored_tokens // ps  # restored pages end the prefix
+            storage = max(0, min(span.stop, req.prefix_pages) - max(span.start, restored_from)) * ps
+            req.cached = {"device": h.device_hit_tokens, "host": h.restored_tokens - storage, "storage": storage}
             for tier, n in req.cached.items():
                 self.metrics.cached_tokens.labels(tier).inc(n)
         req.loading_since = time.monotonic()
         if pd_fresh:
             req.transfer = asyncio.get_running_loop().create_task(self.kv_source(req, req.handle.delta_pages))
         return True
+
+    # ---- L3 storage -------------------------------------------------------------------------------------------
+
+    def _start_fetches(self) -> None:
+        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait."""
+        if self.storage is None:
+            return
+        for req in itertools.islice(self.prealloc, STORAGE_LOOKAHEAD):
+            if req.fetch is None and not req.seq.output_ids and req.aborted is None:
+                self._start_fetch(req, defer=True)
+
+    def _start_fetch(self, req: Req, defer: bool) -> None:
+        """Start the request's L3 lookup for the pages past its L1 + L2 hit. With ``defer``, a request whose next
+        page an earlier request is already fetching starts nothing: it looks again once that one settled."""
+        key = self._match_key(req)
+        match = self.cache.match(key)
+        keys = self.cache.storage_keys(match)
+        if defer and keys and self._fetching[keys[0]]:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.storage.prefetch_deadline_s(len(keys) * self.page_size)
+        req.fetch = fetch = StorageFetch(key, match.hit_tokens // self.page_size, keys, deadline)
+        if keys:
+            self._fetching.update(keys)
+            fetch.task = loop.create_task(self._fetch(fetch))
+
+    async def _fetch(self, fetch: StorageFetch) -> None:
+        """Ask the store how much of the prefix it holds, start moving that into L2, and wait as the policy says
+        (best_effort: not at all; the prefetch goes on until the request is admitted)."""
+        waits = self.storage.policy.name != "best_effort"
+        try:
+            async with asyncio.timeout_at(fetch.deadline if waits else None):
+                found = await self.storage.exists(fetch.keys)
+                fetch.host_pages = self.cache.alloc_host(found) if found else None
+                if fetch.host_pages is not None:
+                    fetch.prefetch = self.storage.start_prefetch(fetch.keys[:found], self.cache.host_pool,
+                                                                 fetch.host_pages)
+                    if waits:
+                        await fetch.prefetch.wait(None)
+        except TimeoutError:
+            pass  # past the policy's deadline: the request proceeds with the pages that arrived
+        finally:
+            self._wakeup.set()
+
+    def _storage_settled(self, req: Req) -> bool:
+        """True once the request is done with L3: its prefetch stopped and the pages that arrived are in the tree."""
+        if self.storage is None or req.seq.output_ids:
+            return True
+        if req.fetch is None:
+            self._start_fetch(req, defer=False)
+        fetch = req.fetch
+        if not fetch.settled:
+            if self.storage.policy.name != "best_effort" and fetch.task is not None and not fetch.task.done():
+                return False
+            self._settle_fetch(req, insert=True)
+        return True
+
+    def _settle_fetch(self, req: Req, insert: bool) -> None:
+        """Stop the request's prefetch; attach the pages that arrived (``insert``) and free every other L2 page."""
+        fetch = req.fetch
+        if fetch is None or fetch.settled:
+            return
+        fetch.settled = True
+        for key in fetch.keys:
+            self._fetching[key] -= 1
+            if not self._fetching[key]:
+                del self._fetching[key]
+        if fetch.task is not None:
+            fetch.task.cancel()
+        pages, fetch.host_pages = fetch.host_pages, None
+        if pages is None:
+            return
+        arrived = fetch.prefetch.stop() if fetch.prefetch is not None else 0
+        if insert and arrived:
+            req.storage_span = self.cache.insert_host(fetch.key, pages[:arrived], fetch.from_page)
+        self.cache.free_host(pages[arrived if insert else 0 :])
 
     def _check_loading(self) -> None:
         now = time.monotonic()
@@ -389,6 +502,7 @@ class Scheduler:
         self._close(req, "ok")
 
     def _fail(self, req: Req, error: RequestError) -> None:
+        self._settle_fetch(req, insert=False)
         for queue in (self.prealloc, self.retracted, self.extend):
             if req in queue:
                 queue.remove(req)
