@@ -121,7 +121,7 @@ def create_app(engine: "Engine") -> FastAPI:
             while not all(t.done() for t in tasks):
                 done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.ALL_COMPLETED)
                 if not all(t.done() for t in tasks) and await request.is_disconnected():
-                    raise asyncio.CancelledError
+                    raise RequestError("client disconnected", 499, "aborted")
             return [t.result() for t in tasks]
         finally:
             for (s, _), t in zip(started, tasks):
