@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -189,6 +190,8 @@ class Engine:
     def server_info(self) -> dict:
         cfg = self.config
         info = {k: v for k, v in vars(cfg).items() if k != "pd_token"}
+        if cfg.hicache_storage_url:  # a redis://user:password@host URL must not leak through the API
+            info["hicache_storage_url"] = re.sub(r"//[^@/]*@", "//***@", cfg.hicache_storage_url)
         info.update(served_model_name=self.model_name, model_path=self.model_path, version="0.1.0", ready=self.ready)
         if self.runner is not None:
             info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),

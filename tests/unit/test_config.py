@@ -45,3 +45,11 @@ def test_redis_backend_needs_a_url():
     with pytest.raises(ConfigError, match="redis://"):
         parse(["--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache",
                "--hicache-storage-backend", "redis"])
+
+
+def test_server_info_hides_secrets():
+    from decode_worker.config import ServerConfig
+    from decode_worker.engine.engine import Engine
+
+    info = Engine(ServerConfig(pd_token="tok", hicache_storage_url="redis://user:pw@10.0.0.1:6379")).server_info()
+    assert "pd_token" not in info and "pw" not in info["hicache_storage_url"]
