@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from decode_worker.api.schemas import HandshakeRequest
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
@@ -89,8 +91,6 @@ class KVHandoff:
             raise RequestError(f"decode_prefix_len {body.decode_prefix_len} must be a multiple of the page size "
                                f"{ps} within the {len(prompt)}-token prompt")
         pages = req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)]
-        import torch
-
         staging = await asyncio.to_thread(gather_pages, self.pool.buffer, torch.tensor(pages, dtype=torch.int64))
         trailer = Trailer(req.seq.output_ids[0], req.seq.output_logprobs[0])
         address = base64.b64decode(body.ucx_address)
