@@ -151,7 +151,8 @@ class TokenRadixTree:
         node.children[head.key[0]] = head
         return head
 
-    def match(self, tokens: list[int]) -> list[int]:
+    def _walk(self, tokens: list[int]) -> tuple[_Node, int, list[int]]:
+        """Follow ``tokens`` down the tree (splitting a partly matched node): last node, tokens matched, values."""
         node, pos, value = self.root, 0, []
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
@@ -164,20 +165,13 @@ class TokenRadixTree:
                 child = self._split(node, child, n)
             value += child.value
             node, pos = child, pos + n
-        return value
+        return node, pos, value
+
+    def match(self, tokens: list[int]) -> list[int]:
+        return self._walk(tokens)[2]
 
     def insert(self, tokens: list[int], value: list[int]) -> int:
-        node, pos = self.root, 0
-        while pos < len(tokens) and tokens[pos] in node.children:
-            child = node.children[tokens[pos]]
-            n = 0
-            for a, b in zip(child.key, tokens[pos:]):
-                if a != b:
-                    break
-                n += 1
-            if n < len(child.key):
-                child = self._split(node, child, n)
-            node, pos = child, pos + n
+        node, pos, _ = self._walk(tokens)
         if pos < len(tokens):
             node.children[tokens[pos]] = _Node(tokens[pos:], value[pos:])
         return pos
