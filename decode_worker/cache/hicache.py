@@ -7,6 +7,7 @@ A request uses it in two phases so that the budget is checked before anything mo
     h = cache.load_back_and_lock(m, extra_pages=n) # one eviction batch, lock, start L2->L1, pages for the delta
     ...receive the delta KV into h.delta_pages...
     await h.wait()                                 # load-back finished; raises LoadBackError if it failed
+    h, pages = cache.cache_in_flight(h, computed_ids, pages)  # optional, while running: share computed pages now
     ...decode, taking more pages with cache.alloc_device...
     cache.insert(token_key(all_ids), pages)        # on finish or retraction; pages = h.take_pages() + decode's
     cache.release(h)                               # unlock; frees whatever the handle still owns
@@ -287,21 +288,64 @@ class HierarchicalCache:
         The tree takes ``device_pages[:full pages]``: pages for the new part are kept, pages that duplicate
         cached data are freed, and an evicted (host-only) node on the path is revived with the given pages,
         keeping its host copy. Pages past the last full page stay with the caller. ``backup`` backs the path up
-        to L2 now whatever the policy (a retracted request).
+        to L2 now whatever the policy (a retracted request). The pages past a node whose load-back is still in
+        flight are freed, not grafted below it.
         """
         key = token_key(tokens)
-        ps, pb = self.page_size, self.tree.page_bytes
-        n = len(key) // pb
+        n = len(key) // self.tree.page_bytes
         if device_pages.numel() < n:
             raise ValueError(f"{n} full pages of tokens, got {device_pages.numel()} pages")
-        pages = device_pages[:n]
+        key = key[: n * self.tree.page_bytes]
+        _, pos, cached, _ = self._graft(key, device_pages[:n], backup=backup, exact=False)
+        self.device_alloc.free(device_pages[pos:n])
+        return cached * self.page_size
+
+    def cache_in_flight(
+        self, handle: LoadHandle, tokens: Tokens, pages: torch.Tensor
+    ) -> tuple[LoadHandle, torch.Tensor]:
+        """Share a running request's computed full pages through the tree, so concurrent requests hit them now.
+
+        ``tokens``: the tokens whose KV is computed (their full pages count); ``pages``: the request's pages, the
+        handle's prefix first (after ``take_pages``). Like ``insert``, except that the pages past a node whose
+        load-back is in flight stay with the request, and the lock moves to the new deepest node. Returns the new
+        handle (the old one is spent) and the request's new page list: tree pages for the cached prefix (the
+        tree's copy replaces a duplicate, which is freed; same tokens, same KV), then the rest of ``pages``.
+        """
+        if handle.released or handle.delta_pages.numel():
+            raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
+        key = token_key(tokens)
+        n, old = len(key) // self.tree.page_bytes, handle.device_indices.numel()
+        if pages.numel() < n:
+            raise ValueError(f"{n} full pages of tokens, got {pages.numel()} pages")
+        if n <= old:
+            return handle, pages
+        node, pos, _, tree_pages = self._graft(key[: n * self.tree.page_bytes], pages[:n], backup=False, exact=True)
+        if pos <= old:  # a load-back in flight right past the prefix: nothing changed
+            return handle, pages
+        self.tree.lock(node)  # a descendant of handle.node: the prefix stays locked throughout
+        self.tree.unlock(handle.node)
+        handle.released = True
+        new = LoadHandle(self, node, tree_pages, _NO_PAGES, handle.device_hit_tokens, handle.restored_tokens, [])
+        return new, torch.cat([tree_pages, pages[pos:]])
+
+    def _graft(
+        self, key: Key, pages: torch.Tensor, *, backup: bool, exact: bool
+    ) -> tuple[TreeNode, int, int, torch.Tensor]:
+        """Put ``pages`` (one per whole page of ``key``) into the tree along ``key``, stopping at a node whose L1
+        data is still arriving. Pages duplicating L1 data are freed; ``exact`` splits a node that ``key`` ends
+        inside, so that the returned node ends where the grafted part does.
+
+        Returns the deepest node reached, the number of pages grafted, how many of them were already on L1, and
+        the tree's L1 pages for them.
+        """
+        n = pages.numel()
         path, tail = self.tree.match(key)
-        node, pos, cached, dup, kept = self.tree.root, 0, 0, [], []
+        node, pos, cached, dup, kept, tree_pages = self.tree.root, 0, 0, [], [], []
         for i, child in enumerate(path):
             if child.loading is not None:
-                break  # its L1 data is still arriving; the rest of this insert is dropped, not grafted below it
+                break  # its L1 data is still arriving: nothing is grafted below it
             k = tail if i == len(path) - 1 else self.tree.num_pages(child)
-            if k < self.tree.num_pages(child) and (pos + k < n or not child.on_device):
+            if k < self.tree.num_pages(child) and (exact or pos + k < n or not child.on_device):
                 child = self._split(child, k)
             mine = pages[pos : pos + k]
             if child.on_device:
@@ -309,19 +353,20 @@ class HierarchicalCache:
                 cached += k
             else:
                 self.tree.set_device(child, mine)
+            tree_pages.append(child.device_indices[:k])
             kept.append(child)
             node, pos = child, pos + k
         else:
             if pos < n:
-                node = self.tree.add_child(node, key[pos * pb : n * pb], pages[pos:])
+                node = self.tree.add_child(node, key[pos * self.tree.page_bytes :], pages[pos:])
+                tree_pages.append(pages[pos:])
                 kept.append(node)
                 pos = n
-        dup.append(pages[pos:])
         self.device_alloc.free(_cat(dup))
         self.tree.touch(node)
         if backup or self.write_policy == "write_through":
             self._backup(kept)
-        return cached * ps
+        return node, pos, cached, _cat(tree_pages)
 
     # -- L3 storage ---------------------------------------------------------------------------------------------------
 

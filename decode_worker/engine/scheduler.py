@@ -11,7 +11,9 @@ prefetch policy says (best_effort: not at all), then the pages that arrived join
 and admission proceeds as usual: the L2->L1 load-back restores them with the rest of the prefix.
 
 Page ownership of a request: its cache handle locks the matched prefix (pages the tree owns); after the
-load-back the request owns the remaining pages of ``seq.pages``. Every exit path goes through
+load-back the request owns the remaining pages of ``seq.pages``. With the radix cache on, the full pages a request
+computed (an extend step) or received (PD) join the tree at once and its handle moves down to lock them
+(``_cache_computed``), so concurrent requests sharing a fresh prefix hit it. Every exit path goes through
 ``_release``, which inserts what is fully computed (when the radix cache is on) and frees the rest.
 """
 from __future__ import annotations
@@ -374,6 +376,7 @@ class Scheduler:
             seq.pages = req.handle.take_pages().tolist()
             if first is not None:  # PD: prompt KV arrived, prefill sampled the first token
                 seq.num_computed = len(seq.prompt_ids)
+                self._cache_computed(req)
                 self._emit(req, *first)
                 if seq.finished:
                     self._finish(req)
@@ -420,9 +423,21 @@ class Scheduler:
             batch.append(req)
         seqs = [r.seq for r in batch]
         logits = await self._forward(batch, [s.token_ids[s.num_computed:] for s in seqs], [s.num_computed for s in seqs])
-        for s in seqs:
-            s.num_computed = s.num_tokens
+        for req in batch:
+            req.seq.num_computed = req.seq.num_tokens
+            if req.aborted is None:
+                self._cache_computed(req)
         self._sample(batch, logits, into_running=True)
+
+    def _cache_computed(self, req: Req) -> None:
+        """Put the request's new fully computed pages into the tree now rather than at finish, so concurrent
+        requests with the same prefix hit them (and this one drops its copy of a prefix another just cached)."""
+        seq = req.seq
+        if not self.radix or seq.num_computed // self.page_size <= req.prefix_pages:
+            return
+        pages = torch.tensor(seq.pages, dtype=torch.int64)
+        req.handle, pages = self.cache.cache_in_flight(req.handle, seq.token_ids[: seq.num_computed], pages)
+        req.prefix_pages, seq.pages = req.handle.device_indices.numel(), pages.tolist()
 
     async def _decode_step(self) -> None:
         for req in sorted(self.running, key=lambda r: -len(r.seq.output_ids)):  # most progress first

@@ -335,6 +335,106 @@ def test_insert_stops_at_a_node_still_loading(hc):
     assert_quiescent(cache)
 
 
+# -- caching a running request's pages ---------------------------------------------------------------------------
+
+
+def computed(cache: HierarchicalCache, dev: KVPool, tokens, h) -> torch.Tensor:
+    """A running request after its forward pass: load-back done, its pages taken and written."""
+    asyncio.run(h.wait())
+    pages = h.take_pages()
+    write_kv(dev, tokens, pages, first_page=h.prefix_tokens // PS)
+    return pages
+
+
+def finish_in_flight(cache: HierarchicalCache, tokens, h, pages: torch.Tensor) -> None:
+    cache.insert(tokens, pages)
+    cache.free_device(pages[max(len(tokens) // PS, h.device_indices.numel()) :])
+    cache.release(h)
+
+
+def test_cache_in_flight_shares_a_new_prefix(hc):
+    cache, dev, _ = hc()
+    tokens = PROMPT + (7,)
+    h = start(cache, tokens)
+    pages = computed(cache, dev, tokens, h)
+    h2, mine = cache.cache_in_flight(h, tokens, pages)
+    cache.drain()  # the write_through backup's lock
+    assert h.released and torch.equal(mine, pages) and h2.prefix_tokens == 10
+    assert node_of(cache, tokens).lock_ref == 1
+    cache.check_invariants(request_pages=1)  # the partial last page
+    assert cache.match(PROMPT + (9,)).device_hit_tokens == 10  # a concurrent request hits it now
+    with pytest.raises(RuntimeError, match="twice"):
+        cache.release(h)
+    assert cache.cache_in_flight(h2, tokens, mine) == (h2, mine)  # nothing new: unchanged
+    assert_kv(dev, tokens, mine[:5])
+    finish_in_flight(cache, tokens, h2, mine)
+    assert_quiescent(cache)
+
+
+def test_cache_in_flight_adopts_the_tree_pages_of_a_prefix_another_request_cached(hc):
+    cache, dev, _ = hc(device_pages=16)
+    a_tokens, b_tokens = PROMPT, PROMPT + (1, 2, 3)
+    a, b = start(cache, a_tokens), start(cache, b_tokens)  # both miss: nothing is cached yet
+    a_pages, b_pages = computed(cache, dev, a_tokens, a), computed(cache, dev, b_tokens, b)
+    a, a_mine = cache.cache_in_flight(a, a_tokens, a_pages)
+    free = cache.device_alloc.num_free
+    b, b_mine = cache.cache_in_flight(b, b_tokens, b_pages)
+    cache.drain()
+    assert cache.device_alloc.num_free == free + 5  # b's copy of the prompt went back
+    assert torch.equal(b_mine[:5], a_pages) and torch.equal(b_mine[5:], b_pages[5:])
+    assert b.prefix_tokens == 12 and node_of(cache, PROMPT).lock_ref == 2
+    assert_kv(dev, b_tokens, b_mine[:6])
+    cache.check_invariants(request_pages=1)
+    finish_in_flight(cache, a_tokens, a, a_mine)
+    finish_in_flight(cache, b_tokens, b, b_mine)
+    assert_quiescent(cache)
+
+
+def test_cache_in_flight_revives_a_host_only_node(hc):
+    cache, dev, _ = hc(device_pages=16)
+    tokens = PROMPT + (3,)
+    h = start(cache, tokens)  # admitted before the prompt was cached
+    run(cache, dev, PROMPT)
+    cache.drain()
+    cache.evict_device(100)
+    node = node_of(cache, PROMPT)
+    host = node.host_indices.clone()
+    pages = computed(cache, dev, tokens, h)
+    h, mine = cache.cache_in_flight(h, tokens, pages)
+    assert torch.equal(mine, pages) and torch.equal(node.device_indices, pages[:5])
+    assert torch.equal(node.host_indices, host) and node.lock_ref == 1
+    cache.check_invariants(request_pages=1)
+    finish_in_flight(cache, tokens, h, mine)
+    assert_quiescent(cache)
+
+
+def test_cache_in_flight_keeps_the_pages_past_a_load_back_in_flight(hc):
+    cache, dev, _ = hc(device_pages=16)
+    tokens = PROMPT + (3,)
+    h = start(cache, tokens)  # admitted before anything was cached
+    run(cache, dev, PROMPT[:4])
+    run(cache, dev, PROMPT)
+    cache.drain()
+    assert cache.evict_device(3) == 3  # PROMPT[4:] is host-only, PROMPT[:4] stays on L1
+    pages = computed(cache, dev, tokens, h)
+    cache.engine.gate.clear()
+    other = start(cache, PROMPT + (4,))  # restores PROMPT[4:]
+    h, mine = cache.cache_in_flight(h, tokens, pages)
+    assert h.prefix_tokens == 4 and torch.equal(mine[2:], pages[2:])  # past the loading node: still the request's
+    assert torch.equal(mine[:2], node_of(cache, PROMPT[:4]).device_indices)
+    cache.check_invariants(request_pages=4 + other.delta_pages.numel())
+    assert_kv(dev, tokens, mine[:5])
+    cache.engine.gate.set()
+    asyncio.run(other.wait())
+    assert_kv(dev, tokens, mine[:5])
+    finish(cache, dev, PROMPT + (4,), other)
+    h, mine = cache.cache_in_flight(h, tokens, mine)  # the load-back landed: now the rest joins
+    assert h.prefix_tokens == 10 and torch.equal(mine[2:5], node_of(cache, PROMPT).device_indices)
+    cache.check_invariants(request_pages=1)
+    finish_in_flight(cache, tokens, h, mine)
+    assert_quiescent(cache)
+
+
 # -- tiers and policies ----------------------------------------------------------------------------------------
 
 

@@ -77,6 +77,14 @@ class ManualEngine(CopyEngine):
 class Req:
     tokens: tuple[int, ...]
     handle: LoadHandle
+    pages: torch.Tensor | None = None  # after take_pages: the handle's prefix pages, then the request's own
+
+    @property
+    def owned(self) -> int:
+        """L1 pages the request holds outside the tree."""
+        if self.pages is None:
+            return self.handle.delta_pages.numel()
+        return self.pages.numel() - self.handle.device_indices.numel()
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -188,6 +196,40 @@ class CacheMachine(RuleBasedStateMachine):
         if self._take(i) is not None:
             self.adopt()
 
+    def _own(self, r: Req) -> torch.Tensor:
+        """The request's pages; on first use the "forward pass" writes the delta KV into them."""
+        if r.pages is None:
+            r.pages = r.handle.take_pages()
+            for j in range(r.handle.prefix_tokens // PS, len(r.tokens) // PS):
+                self.dev.buffer[:, :, r.pages[j]] = page_value(r.tokens[: (j + 1) * PS])
+        return r.pages
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 7), computed=st.integers(0, 10))
+    def share(self, i, computed):
+        """A live request puts its first ``computed`` tokens' full pages into the tree (cache_in_flight)."""
+        r = self._take(i)
+        if r is None:
+            return
+        old, pages = r.handle, self._own(r)
+        computed = min(computed, len(r.tokens))
+        reach, stop = 0, computed  # it stops at a node whose load-back is in flight
+        for node in self.cache.tree.match(token_key(r.tokens[:computed]))[0]:
+            if node.loading is not None:
+                stop = reach
+                break
+            reach += node.num_tokens
+        r.handle, new = self.cache.cache_in_flight(old, r.tokens[:computed], pages)
+        r.pages = new
+        prefix = r.handle.device_indices.numel()
+        expect = max(old.device_indices.numel(), stop // PS)
+        assert prefix == expect and new.numel() == pages.numel()
+        assert torch.equal(new[:prefix], r.handle.device_indices) and torch.equal(new[prefix:], pages[prefix:])
+        assert (r.handle is old) == (prefix == old.device_indices.numel())
+        for j, page in enumerate(new[: len(r.tokens) // PS].tolist()):
+            assert torch.equal(self.dev.buffer[:, :, page], page_value(r.tokens[: (j + 1) * PS])), f"KV of page {j}"
+        self.adopt(on_device=page_prefixes(r.tokens, prefix * PS))
+
     @precondition(lambda self: self.reqs)
     @rule(i=st.integers(0, 7), backup=st.booleans(), resume=st.booleans())
     def finish(self, i, backup, resume):
@@ -197,9 +239,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.reqs.remove(r)
         h, tokens = r.handle, r.tokens
-        pages = h.take_pages()
-        for j in range(h.prefix_tokens // PS, len(tokens) // PS):  # the "forward pass" writes the delta KV
-            self.dev.buffer[:, :, pages[j]] = page_value(tokens[: (j + 1) * PS])
+        pages = self._own(r)
         n_full, stop = len(tokens) // PS, 0
         path, _ = self.cache.tree.match(token_key(tokens))
         for node in path:  # insert stops at a node whose load-back is still in flight
@@ -227,8 +267,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7))
     def abort(self, i):
         r = self.reqs.pop(i % len(self.reqs))
-        self.cache.release(r.handle)
+        self._abort(r)
         self.adopt()
+
+    def _abort(self, r: Req) -> None:
+        if r.pages is not None:
+            self.cache.free_device(r.pages[r.handle.device_indices.numel() :])
+        self.cache.release(r.handle)
 
     @rule(n=st.integers(1, 12))
     def evict_device(self, n):
@@ -263,7 +308,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        request_pages = sum(r.handle.delta_pages.numel() for r in self.reqs)
+        request_pages = sum(r.owned for r in self.reqs)
         self.cache.check_invariants(request_pages=request_pages)
         dev_ref, host_ref = self.tree_state()
         dev = self.cache.device_alloc
@@ -280,7 +325,7 @@ class CacheMachine(RuleBasedStateMachine):
         if getattr(self, "cache", None) is None:
             return
         for r in self.reqs:
-            self.cache.release(r.handle)
+            self._abort(r)
         self.run_copies()
         self.cache.check_invariants(request_pages=0)
         assert all(n.lock_ref == 0 for n in self.cache.tree.nodes())

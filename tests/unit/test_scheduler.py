@@ -29,9 +29,12 @@ def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0) -> Sche
                      max_running=32, max_prefill_tokens=512, load_back_timeout_s=10)
 
 
-async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dict | None = None, first_alone=False):
-    """Submit all prompts at once (or the first one alone before the rest) and collect their tokens."""
+async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dict | None = None, first_alone=False,
+                  first_ahead=False):
+    """Submit all prompts at once and collect their tokens. ``first_alone`` runs the first one to completion before
+    the rest; ``first_ahead`` submits the rest as soon as the first streamed a token, while it is still generating."""
     scheduler.start()
+    first_token = asyncio.Event()
     try:
         async def drain(i, stream):
             ids = []
@@ -39,6 +42,7 @@ async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dic
                 if event.error is not None:
                     return event.error
                 ids += event.token_ids
+                first_token.set()
                 if abort_after and abort_after.get(i) == len(ids):
                     scheduler.abort(stream.rid)
             return ids
@@ -46,6 +50,11 @@ async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dic
         def submit(i):
             return scheduler.submit(GenerateInput(f"r{i}", prompts[i], params))
 
+        if first_ahead:
+            head = asyncio.ensure_future(drain(0, submit(0)))
+            await first_token.wait()
+            rest = await asyncio.gather(*(drain(i, submit(i)) for i in range(1, len(prompts))))
+            return [await head, *rest]
         head = [await drain(0, submit(0))] if first_alone else []
         rest = range(len(head), len(prompts))
         return head + list(await asyncio.gather(*(drain(i, submit(i)) for i in rest)))
@@ -79,6 +88,31 @@ def test_continuous_batching_matches_offline_generation(tiny_models, prompts, re
     assert asyncio.run(run_all(scheduler, prompts, first_alone=True)) == reference
     # Nine requests reuse the first one's 24-token (6-page) prefix.
     assert scheduler.metrics.cached_tokens.labels("device")._value.get() >= 9 * 24
+    settle(scheduler)
+
+
+def test_requests_arriving_while_a_prefix_is_generated_hit_it(tiny_models, prompts, reference):
+    """The first request's prompt pages are in the tree as soon as its prefill ran, not when it finishes: the five
+    that arrive while it still generates hit its 24-token (6-page) prefix."""
+    scheduler = make_scheduler(tiny_models["llama"], 4096)
+    assert asyncio.run(run_all(scheduler, prompts[:6], first_ahead=True)) == reference[:6]
+    assert scheduler.metrics.cached_tokens.labels("device")._value.get() >= 5 * 24
+    settle(scheduler)
+
+
+def test_requests_sharing_a_prefix_at_once_keep_one_copy(tiny_models, prompts, reference):
+    """Six requests admitted together all miss, but right after their prefill only one copy of the prefix is on L1."""
+    scheduler = make_scheduler(tiny_models["llama"], 4096)
+    extend_step, used = scheduler._extend_step, []
+
+    async def measured():
+        await extend_step()
+        used.append(scheduler.cache.device_alloc.num_used)
+
+    scheduler._extend_step = measured
+    assert asyncio.run(run_all(scheduler, prompts[:6])) == reference[:6]
+    shared = 24 // scheduler.page_size
+    assert used[0] == shared + sum(-(-len(p) // scheduler.page_size) - shared for p in prompts[:6])
     settle(scheduler)
 
 
