@@ -53,6 +53,14 @@ def _sglang_params(p: SGLangSamplingParams) -> SamplingParams:
                           seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
 
 
+def _new_text(text: str, sent: str, finished: bool) -> str:
+    """What to send now: the text past ``sent``, holding back a trailing replacement character (a multi-byte
+    character whose remaining bytes are in tokens not generated yet) until the stream ends."""
+    if not finished:
+        text = text.rstrip("\ufffd")
+    return text[len(sent):] if text.startswith(sent) else ""
+
+
 def _openai_params(body: OpenAISampling, max_tokens: int) -> SamplingParams:
     if body.n != 1:
         raise RequestError("only n=1 is supported")
@@ -109,24 +117,28 @@ def create_app(engine: "Engine") -> FastAPI:
 
     async def collect(request: Request, inputs: list[GenerateInput]) -> list[_Collected]:
         """Run requests to the end; a client that goes away aborts them all."""
-        started = [await start(i) for i in inputs]
+        started: list[tuple[RequestStream, _Collected]] = []
+        tasks: list[asyncio.Future] = []
 
         async def drain(stream: RequestStream, c: _Collected) -> _Collected:
             async for event in stream:
                 c.add(event)
             return c
 
-        tasks = [asyncio.ensure_future(drain(s, c)) for s, c in started]
         try:
+            for inp in inputs:
+                started.append(await start(inp))
+            tasks = [asyncio.ensure_future(drain(s, c)) for s, c in started]
             while not all(t.done() for t in tasks):
                 done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.ALL_COMPLETED)
                 if not all(t.done() for t in tasks) and await request.is_disconnected():
                     raise RequestError("client disconnected", 499, "aborted")
             return [t.result() for t in tasks]
         finally:
-            for (s, _), t in zip(started, tasks):
-                if not t.done():
-                    t.cancel()
+            for i, (s, _) in enumerate(started):
+                if i >= len(tasks) or not tasks[i].done():
+                    if i < len(tasks):
+                        tasks[i].cancel()
                     engine.abort(s.rid)
 
     async def stream_events(inp: GenerateInput) -> AsyncIterator[tuple[_Collected, TokenEvent]]:
@@ -231,8 +243,8 @@ def create_app(engine: "Engine") -> FastAPI:
             for index, inp in enumerate(inputs):
                 sent = ""
                 async for c, event in stream_events(inp):
-                    text = text_of(c)
-                    delta, sent = text[len(sent):], text
+                    delta = _new_text(text_of(c), sent, event.finish_reason is not None)
+                    sent += delta
                     yield sse({"id": inp.rid, "object": "text_completion", "created": created, "model": model,
                                "choices": [{"index": index, "text": delta, "finish_reason": finish(c) if event.finish_reason else None,
                                             "logprobs": None}]})
@@ -271,8 +283,8 @@ def create_app(engine: "Engine") -> FastAPI:
             yield chunk({"role": "assistant", "content": ""}, None)
             sent = ""
             async for c, event in stream_events(inp):
-                text = text_of(c)
-                delta, sent = text[len(sent):], text
+                delta = _new_text(text_of(c), sent, event.finish_reason is not None)
+                sent += delta
                 if delta:
                     yield chunk({"content": delta}, None)
                 if event.finish_reason:

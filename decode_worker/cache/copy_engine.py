@@ -25,19 +25,33 @@ class CopyEngine:
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Future:
         """L2 -> L1."""
-        return self._executor.submit(self._copy, self.host_buffer, self.device_buffer, host_pages, device_pages)
+        return self._executor.submit(self._copy, self.host_buffer, self.device_buffer, host_pages, device_pages,
+                                     self._caller_event())
 
     def backup(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Future:
         """L1 -> L2."""
-        return self._executor.submit(self._copy, self.device_buffer, self.host_buffer, device_pages, host_pages)
+        return self._executor.submit(self._copy, self.device_buffer, self.host_buffer, device_pages, host_pages,
+                                     self._caller_event())
+
+    def _caller_event(self) -> "torch.cuda.Event | None":
+        """Marks the work already queued on the caller's stream (a KV scatter, a forward writing pages): the copy
+        must not read or overwrite those pages before it is done."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+              after: "torch.cuda.Event | None" = None) -> None:
         if self._stream is None:
             copy_pages(src, dst, src_pages, dst_pages)
             return
+        if after is not None:
+            self._stream.wait_event(after)
         with torch.cuda.stream(self._stream):
             staged = torch.empty(
                 (*src.shape[:2], src_pages.numel(), *src.shape[3:]), dtype=src.dtype, pin_memory=True

@@ -177,10 +177,15 @@ class Engine:
             return
         stream = scheduler.submit(GenerateInput(f"health-{time.monotonic_ns()}", [self.tokenizer.encode("hi")[0]],
                                                 SamplingParams(max_new_tokens=1, temperature=0)))
-        async with asyncio.timeout(30):
-            async for event in stream:
-                if event.error is not None:
-                    raise event.error
+        try:
+            async with asyncio.timeout(30):
+                async for event in stream:
+                    if event.error is not None:
+                        raise event.error
+        except TimeoutError:
+            raise RequestError("no token within 30 s", 503, "unavailable") from None
+        finally:
+            scheduler.abort(stream.rid)  # a no-op once it finished
 
     async def flush_cache(self) -> bool:
         self.require_ready()

@@ -142,7 +142,7 @@ class Scheduler:
     def submit(self, inp: GenerateInput) -> RequestStream:
         if self.stopping:
             raise RequestError("server is shutting down", 503, "unavailable")
-        if inp.rid in self.requests:
+        if inp.rid in self.requests or inp.rid in self.held:
             raise RequestError(f"request id {inp.rid!r} is already running", 409, "conflict")
         self.check_fits(inp)
         stream = RequestStream(inp.rid)
@@ -400,7 +400,11 @@ class Scheduler:
         return task.result()
 
     def _retry_after_failed_load(self, req: Req) -> None:
-        """A failed load-back leaves nothing in the tree; match again (a shorter hit) once, then give up."""
+        """A failed load-back leaves nothing in the tree; match again (a shorter hit) once, then give up.
+        A PD request's prefill already handed its room off, so it fails at once instead."""
+        if self.kv_source is not None and not req.seq.output_ids:
+            self._fail(req, RequestError("restoring the cached prefix from L2 failed", 503, "unavailable"))
+            return
         self.cache.release(req.handle)
         req.handle = None
         req.retries += 1
@@ -446,7 +450,8 @@ class Scheduler:
         batch = list(self.running)
         if not batch:
             return
-        logits = await self._forward(batch, [[r.seq.token_ids[-1]] for r in batch], [r.seq.num_tokens - 1 for r in batch])
+        last = [r.seq.output_ids[-1] if r.seq.output_ids else r.seq.prompt_ids[-1] for r in batch]
+        logits = await self._forward(batch, [[t] for t in last], [r.seq.num_tokens - 1 for r in batch])
         for r in batch:
             r.seq.num_computed = r.seq.num_tokens
         self._sample(batch, logits, into_running=False)
@@ -511,6 +516,7 @@ class Scheduler:
         """The decode peer has the KV (or never came): cache the prompt's pages and free the rest."""
         if self.held.pop(req.rid, None) is not None:
             self._release(req)
+            self._wakeup.set()  # the freed pages may admit queued requests
 
     def _finish(self, req: Req) -> None:
         self._release(req)

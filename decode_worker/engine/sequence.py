@@ -43,10 +43,16 @@ def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int
     p = seq.params
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         seq.finish_reason = {"type": "stop", "matched": token}
-    elif p.stop and (matched := next((s for s in p.stop if s in decode_text(seq.output_ids)), None)):
+    elif p.stop and (matched := _stop_string(p.stop, decode_text(seq.output_ids[-(max(map(len, p.stop)) + 8):]))):
         seq.finish_reason = {"type": "stop", "matched": matched}
     elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= max_context:
         seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+
+
+def _stop_string(stops: list[str], tail: str) -> str | None:
+    """The first stop string in the decoded tail (a token covers at least one character, so a tail of
+    longest-stop + 8 tokens holds any stop string the newest token completed)."""
+    return next((s for s in stops if s in tail), None)
 
 
 def trim_stop_string(text: str, finish_reason: dict | None) -> str:

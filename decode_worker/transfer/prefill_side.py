@@ -53,6 +53,8 @@ class KVHandoff:
         if req.inp.bootstrap is None:
             return False  # a plain request on a prefill worker is served to the end
         room = req.inp.bootstrap.room
+        if (old := self.leases.get(room)) is not None:  # a router reusing a room: the newer request wins
+            self.scheduler.release_held(old.req)
         self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s)
         self._arrived.setdefault(room, asyncio.Event()).set()
         return True
@@ -77,17 +79,23 @@ class KVHandoff:
         diff = layout.differences(body.layout)
         if diff:
             raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
-        lease = await self._wait_for_room(body.room)
-        req = lease.req
+        req = (await self._wait_for_room(body.room)).req
+        try:
+            return await self._start_push(body, req)
+        except BaseException:  # a rejected, failed or cancelled hand-off frees the KV it held
+            self.scheduler.release_held(req)
+            raise
+
+    async def _start_push(self, body: HandshakeRequest, req: "Req") -> dict:
+        """Check the decode side's view of the prompt, then push its delta KV in the background."""
+        layout = self.pool.layout
         prompt = req.seq.prompt_ids
         if body.prompt_len != len(prompt) or body.prompt_digest != prompt_digest(prompt):
-            self.scheduler.release_held(req)
             raise RequestError(f"prompt mismatch for room {body.room}: decode has {body.prompt_len} tokens "
                                f"(digest {body.prompt_digest}), prefill has {len(prompt)} (digest "
                                f"{prompt_digest(prompt)})", 409, "digest_mismatch")
         ps = layout.page_size
         if body.decode_prefix_len % ps or not 0 <= body.decode_prefix_len <= len(prompt):
-            self.scheduler.release_held(req)
             raise RequestError(f"decode_prefix_len {body.decode_prefix_len} must be a multiple of the page size "
                                f"{ps} within the {len(prompt)}-token prompt")
         pages = req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)]

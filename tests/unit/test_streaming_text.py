@@ -1,0 +1,18 @@
+"""Streamed text deltas never send half of a multi-byte character."""
+from __future__ import annotations
+
+from decode_worker.api.app import _new_text
+
+
+def test_replacement_character_is_held_back_until_complete():
+    sent = ""
+    for text, finished, expected in [("Hi ", False, "Hi "), ("Hi \ufffd", False, ""), ("Hi 你", False, "你"),
+                                     ("Hi 你好", True, "好")]:
+        delta = _new_text(text, sent, finished)
+        assert delta == expected
+        sent += delta
+    assert sent == "Hi 你好"
+
+
+def test_a_stream_that_ends_on_a_broken_character_still_sends_it():
+    assert _new_text("ab\ufffd", "ab", finished=True) == "\ufffd"
