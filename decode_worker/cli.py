@@ -13,7 +13,7 @@ from decode_worker.model.config import ModelLoadError
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from decode_worker.engine.llm import LLM, PromptTooLong
+    from decode_worker.engine.llm import LLM
     from decode_worker.engine.sampling import SamplingParams
     from decode_worker.model.embedded import ensure_default_model
 
@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     try:
         out = llm.generate([prompt], params)[0]
-    except (PromptTooLong, ValueError) as e:
+    except ValueError as e:  # a prompt that cannot fit, bad parameters
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"text": out.text, "output_ids": out.output_ids, "finish_reason": out.finish_reason,

@@ -712,7 +712,7 @@ class HierarchicalCache:
     def check_invariants(self, request_pages: int | None = None, prefetch_pages: int | None = None) -> None:
         """Assert tree shape, tiers and page accounting; ``request_pages`` are L1 pages held outside the tree,
         ``prefetch_pages`` L2 pages held outside it (taken with ``alloc_host``, not yet attached or freed)."""
-        tree, ps, root = self.tree, self.page_size, self.tree.root
+        tree, root = self.tree, self.tree.root
         dev, host, locked_dev = [], [], 0
         pending = set(self._pending)
         for node in tree.nodes():

@@ -161,8 +161,8 @@ class Engine:
         scheduler.check_fits(inp)
 
     async def submit(self, inp: GenerateInput) -> RequestStream:
-        self.check_request(inp)
-        return self.scheduler.submit(inp)
+        """The route has run ``check_request`` before answering; the scheduler checks the fit again itself."""
+        return self.require_ready().submit(inp)
 
     def abort(self, rid: str) -> None:
         if self.scheduler is not None:
@@ -187,10 +187,10 @@ class Engine:
         finally:
             scheduler.abort(stream.rid)  # a no-op once it finished
 
-    async def flush_cache(self) -> bool:
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no request is using (locked ones stay); returns the tokens dropped."""
         self.require_ready()
-        self.cache.flush()
-        return True
+        return self.cache.flush()
 
     def server_info(self) -> dict:
         cfg = self.config

@@ -9,14 +9,9 @@ import torch
 
 from decode_worker.cache.pool import OutOfPages, PageAllocator
 from decode_worker.engine.sampling import SamplingParams, make_generator, sample
-from decode_worker.engine.sequence import Sequence, check_finish, trim_stop_string
-from decode_worker.model.config import ModelLoadError
+from decode_worker.engine.sequence import Sequence, check_finish, check_fits, trim_stop_string
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
-
-
-class PromptTooLong(ValueError):
-    pass
 
 
 @dataclass
@@ -62,26 +57,13 @@ class LLM:
             return self.tokenizer.apply_chat_template(prompt)
         return list(prompt)
 
-    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        ctx = self.config.max_context
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= ctx:
-            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is {ctx} tokens")
-        need = -(-(len(prompt_ids) + params.max_new_tokens) // self.runner.page_size)
-        if need > self.allocator.total:
-            raise PromptTooLong(
-                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {need} "
-                f"KV pages; the pool has {self.allocator.total}"
-            )
-
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = []
         for prompt, p in zip(prompts, plist):
-            p.validate()
             ids = self.encode_prompt(prompt)
-            self.check_fits(ids, p)
+            check_fits(ids, p, max_context=self.config.max_context, vocab_size=self.config.vocab_size,
+                       page_size=self.runner.page_size, total_pages=self.allocator.total)
             seqs.append(Sequence(str(next(self._ids)), ids, p, generator=make_generator(p.seed, self.runner.device)))
         waiting, running = deque(seqs), []
         while waiting or running:
@@ -151,4 +133,3 @@ class LLM:
         return GenerationOutput(text, seq.output_ids, len(seq.prompt_ids), seq.finish_reason)
 
 
-__all__ = ["LLM", "GenerationOutput", "PromptTooLong", "ModelLoadError"]

@@ -34,7 +34,7 @@ from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.storage.tier import Prefetch
 from decode_worker.engine.request import GenerateInput, RequestError, RequestStream, TokenEvent
 from decode_worker.engine.sampling import make_generator, sample
-from decode_worker.engine.sequence import Sequence, check_finish
+from decode_worker.engine.sequence import Sequence, check_finish, check_fits
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
 
@@ -117,27 +117,13 @@ class Scheduler:
     # ---- public ----------------------------------------------------------------------------------------------
 
     def check_fits(self, inp: GenerateInput) -> None:
-        """Reject at once what can never run: empty, longer than the context, or larger than all of L1."""
-        ctx = self.runner.config.max_context
-        n = len(inp.prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= ctx:
-            raise RequestError(f"the prompt has {n} tokens; the model's context is {ctx} tokens")
-        vocab = self.runner.config.vocab_size
-        if any(t < 0 or t >= vocab for t in inp.prompt_ids):
-            raise RequestError(f"input_ids must be in [0, {vocab})")
+        """Reject at once (400) what can never run here."""
+        config = self.runner.config
         try:
-            inp.params.validate()
+            check_fits(inp.prompt_ids, inp.params, max_context=config.max_context, vocab_size=config.vocab_size,
+                       page_size=self.page_size, total_pages=self.cache.device_alloc.total)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        total = min(n + inp.params.max_new_tokens, ctx)
-        need = -(-total // self.page_size)
-        if need > self.cache.device_alloc.total:
-            raise RequestError(
-                f"prompt ({n} tokens) plus max_new_tokens ({inp.params.max_new_tokens}) needs {need} KV pages "
-                f"but this worker's whole KV pool (--max-total-tokens) has {self.cache.device_alloc.total}"
-            )
 
     def submit(self, inp: GenerateInput) -> RequestStream:
         if self.stopping:

@@ -37,6 +37,28 @@ class Sequence:
         return -(-self.num_tokens // page_size)
 
 
+class PromptTooLong(ValueError):
+    """A request that can never run here: longer than the context or larger than the whole KV pool."""
+
+
+def check_fits(prompt_ids: list[int], params: SamplingParams, *, max_context: int, vocab_size: int, page_size: int,
+               total_pages: int) -> None:
+    """Reject at once what can never run: empty, bad token ids or parameters, longer than the context, or more
+    KV than the whole pool (generation stops at the context, so that caps what it can need)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if any(t < 0 or t >= vocab_size for t in prompt_ids):
+        raise ValueError(f"input_ids must be in [0, {vocab_size})")
+    params.validate()
+    if n >= max_context:
+        raise PromptTooLong(f"the prompt has {n} tokens; the model's context is {max_context} tokens")
+    need = -(-min(n + params.max_new_tokens, max_context) // page_size)
+    if need > total_pages:
+        raise PromptTooLong(f"prompt ({n} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {need} KV pages "
+                            f"but the whole KV pool (--max-total-tokens) has {total_pages}")
+
+
 def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int, decode_text) -> None:
     """Set ``seq.finish_reason`` after a new token, in SGLang's shape ({type, matched} / {type, length})."""
     token = seq.output_ids[-1]

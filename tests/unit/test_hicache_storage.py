@@ -1,12 +1,12 @@
 """The hierarchical cache with an L3 tier: restart round trip, host-only insertion of arrived pages, hit_twice."""
+from __future__ import annotations
+
 import asyncio
-import torch
-import pytest
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
 from decode_worker.cache.storage import FileStore, StorageTier
-from tests.unit.test_hicache import LAYOUT, PS, GatedEngine, assert_kv, finish, start, write_kv, page_value
+from tests.unit.test_hicache import LAYOUT, PS, GatedEngine, assert_kv, page_value, start, write_kv
 
 PROMPT = tuple(range(10))
 
@@ -107,7 +107,6 @@ def test_insert_host_dups_gaps_and_split(tmp_path):
 def test_hit_twice_policy(tmp_path):
     async def go():
         cache, dev, host, tier = make(tmp_path, policy="hit_twice")
-        run = lambda t: None
         h = start(cache, PROMPT); await h.wait(); p = h.take_pages(); write_kv(dev, PROMPT, p)
         cache.insert(PROMPT, p); cache.free_device(p[5:]); cache.release(h); cache.drain()
         await tier.flush(); assert tier.backed_up_pages == 0

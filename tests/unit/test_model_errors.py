@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from decode_worker.engine.llm import LLM, PromptTooLong
+from decode_worker.engine.llm import LLM
+from decode_worker.engine.sequence import PromptTooLong
 from decode_worker.engine.sampling import SamplingParams
 from decode_worker.model.config import ModelLoadError
 from decode_worker.model.loader import load_model
@@ -53,6 +53,6 @@ def test_prompt_longer_than_context(tiny_models):
 
 def test_request_larger_than_pool(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_total_tokens=64, page_size=4, load_tokenizer=False)
-    with pytest.raises(PromptTooLong, match="the pool has 16"):
+    with pytest.raises(PromptTooLong, match="KV pool .* has 16"):
         llm.generate([[1] * 40], SamplingParams(max_new_tokens=40))
     assert llm.allocator.num_used == 0
