@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from decode_worker.api.detokenize import IncrementalText
 from decode_worker.api.errors import error_body, error_response, install_error_handlers, parse_body
 from decode_worker.api.schemas import (
     BootstrapFields,
@@ -73,11 +74,12 @@ def _openai_params(body: OpenAISampling, max_tokens: int) -> SamplingParams:
 
 
 class _Collected:
-    """A finished request: output tokens, text, finish reason and cache figures."""
+    """A request's output so far: tokens, streamed text, finish reason and cache figures."""
 
-    def __init__(self, rid: str, prompt_tokens: int):
+    def __init__(self, rid: str, prompt_tokens: int, decode):
         self.rid = rid
         self.prompt_tokens = prompt_tokens
+        self.stream_text = IncrementalText(decode)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: dict | None = None
@@ -87,6 +89,7 @@ class _Collected:
         if event.error is not None:
             raise event.error
         self.ids += event.token_ids
+        self.stream_text.add(event.token_ids)
         self.logprobs += event.logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
         self.cached = event.cached_tokens or self.cached
@@ -110,10 +113,13 @@ def create_app(engine: "Engine") -> FastAPI:
     install_error_handlers(app)
 
     def text_of(c: _Collected) -> str:
+        """Streamed text while running; the exact full decode, cut at a matched stop string, once finished."""
+        if c.finish_reason is None:
+            return c.stream_text.text
         return trim_stop_string(engine.tokenizer.decode(c.ids), c.finish_reason)
 
     async def start(inp: GenerateInput) -> tuple[RequestStream, _Collected]:
-        return await engine.submit(inp), _Collected(inp.rid, len(inp.prompt_ids))
+        return await engine.submit(inp), _Collected(inp.rid, len(inp.prompt_ids), engine.tokenizer.decode)
 
     async def collect(request: Request, inputs: list[GenerateInput]) -> list[_Collected]:
         """Run requests to the end; a client that goes away aborts them all."""
