@@ -607,6 +607,11 @@ class HierarchicalCache:
         return done
 
     @property
+    def draining_pages(self) -> int:
+        """L1 pages that write_back copies free once they land: allocatable soon, not now."""
+        return self._draining
+
+    @property
     def busy(self) -> bool:
         """Copies are in flight: their locks and pages are released only by a later ``poll``."""
         return bool(self._pending)

@@ -430,10 +430,11 @@ class Scheduler:
         req.prefix_pages, seq.pages = req.handle.device_indices.numel(), pages.tolist()
 
     async def _decode_step(self) -> None:
+        ready = set()
         for req in sorted(self.running, key=lambda r: -len(r.seq.output_ids)):  # most progress first
-            if req in self.running:
-                self._grow(req)
-        batch = list(self.running)
+            if req in self.running and self._grow(req):
+                ready.add(req)
+        batch = [r for r in self.running if r in ready]
         if not batch:
             return
         last = [r.seq.output_ids[-1] if r.seq.output_ids else r.seq.prompt_ids[-1] for r in batch]
@@ -442,17 +443,21 @@ class Scheduler:
             r.seq.num_computed = r.seq.num_tokens
         self._sample(batch, logits, into_running=False)
 
-    def _grow(self, req: Req) -> None:
-        """Give ``req`` the page its next token needs; retract the least advanced request when L1 is full."""
+    def _grow(self, req: Req) -> bool:
+        """Give ``req`` the page its next token needs; retract the least advanced request when L1 is full.
+        False when ``req`` sits this step out: retracted, or waiting for pages still draining to L2."""
         seq = req.seq
         while len(seq.pages) < seq.pages_needed(self.page_size):
             try:
                 seq.pages += self.cache.alloc_device(1).tolist()
             except OutOfPages:
+                if self.cache.draining_pages:  # write_back victims free their pages in a moment: wait, don't retract
+                    return False
                 victim = min(self.running, key=lambda r: (len(r.seq.output_ids), -r.stream.created_at))
                 self._retract(victim)
                 if victim is req:
-                    return
+                    return False
+        return True
 
     def _retract(self, req: Req) -> None:
         """Free a running request's L1 pages (backing its KV up to L2 where possible) and queue it to resume."""

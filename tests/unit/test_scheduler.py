@@ -20,11 +20,11 @@ from decode_worker.model.runner import ModelRunner
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0) -> Scheduler:
+def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through") -> Scheduler:
     loaded = load_model(path, dtype=torch.float64, tokenizer=False)
     runner = ModelRunner(loaded, max_total_tokens, page_size=4)
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
-    cache = HierarchicalCache(runner.pool, host)
+    cache = HierarchicalCache(runner.pool, host, write_policy=write_policy)
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", radix=True,
                      max_running=32, max_prefill_tokens=512, load_back_timeout_s=10)
 
@@ -116,10 +116,11 @@ def test_requests_sharing_a_prefix_at_once_keep_one_copy(tiny_models, prompts, r
     settle(scheduler)
 
 
-@pytest.mark.parametrize("host_ratio", [0.0, 3.0])
-def test_retraction_resumes_with_identical_output(tiny_models, prompts, reference, host_ratio):
-    """An L1 too small for all ten at once retracts (to L2 when there is one) and resumes them."""
-    scheduler = make_scheduler(tiny_models["llama"], 160, host_ratio)
+@pytest.mark.parametrize("host_ratio,policy", [(0.0, "write_through"), (3.0, "write_through"), (3.0, "write_back")])
+def test_retraction_resumes_with_identical_output(tiny_models, prompts, reference, host_ratio, policy):
+    """An L1 too small for all ten at once retracts (to L2 when there is one) and resumes them; under
+    write_back, evicted pages drain to L2 while requests wait for them."""
+    scheduler = make_scheduler(tiny_models["llama"], 160, host_ratio, policy)
     assert asyncio.run(run_all(scheduler, prompts)) == reference
     assert scheduler.metrics.retractions._value.get() > 0
     settle(scheduler)
