@@ -48,8 +48,12 @@ def _bootstrap(body: BootstrapFields, i: int, default_port: int | None) -> Boots
     return Bootstrap(host, int(port), int(room))
 
 
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def _sglang_params(p: SGLangSamplingParams) -> SamplingParams:
-    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    stop = _stop_list(p.stop)
     return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
 
@@ -67,7 +71,7 @@ def _openai_params(body: OpenAISampling, max_tokens: int) -> SamplingParams:
         raise RequestError("only n=1 is supported")
     if getattr(body, "echo", False) or getattr(body, "logprobs", None):
         raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = _stop_list(body.stop)
     return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
                           ignore_eos=body.ignore_eos)
@@ -80,7 +84,6 @@ class _Collected:
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.stream_text = IncrementalText(decode)
-        self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: dict | None = None
         self.cached: dict[str, int] = {}
@@ -88,11 +91,15 @@ class _Collected:
     def add(self, event: TokenEvent) -> None:
         if event.error is not None:
             raise event.error
-        self.ids += event.token_ids
         self.stream_text.add(event.token_ids)
         self.logprobs += event.logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
         self.cached = event.cached_tokens or self.cached
+
+    @property
+    def ids(self) -> list[int]:
+        """Output token ids; the detokenizer keeps the one list."""
+        return self.stream_text.ids
 
     def meta(self, return_logprob: bool) -> dict:
         meta = {
