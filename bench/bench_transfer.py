@@ -1,11 +1,20 @@
 """Delta-KV transfer throughput between two processes over the UCX data plane, against a local memcpy.
 
 This process is the decode side (``KVReceiver``); it spawns itself with ``--role sender`` as the prefill
-side (``KVSender``). A transfer is timed on the sender from ``send()`` to the receiver's DONE, so control
-round trips count. The memcpy baseline is ``torch`` ``copy_`` of the same bytes within the sender process,
-one sample after each timed step, so both see the same machine (absolute speeds on a shared machine drift by
-2-3x within minutes; the ratio is what to compare). It runs on one thread: the CMA copy UCX does here is one
-thread too, and torch's two-thread copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s).
+side (``KVSender``). Each step is timed from the sender's first ``send()`` to two ends, on the one
+monotonic clock both processes share:
+
+- delivered: the receiver's ``expect()`` future settled, i.e. every byte and the trailer are in the decode
+  process (what a decode request waits for);
+- acked: the sender got the receiver's DONE (when prefill may free its copy; one more control hop).
+
+The memcpy baseline is ``torch`` ``copy_`` of the same bytes within the sender process, one sample after
+each timed step, so both see the same machine (absolute speeds on a shared machine drift by 2-3x within
+minutes; the ratio is what to compare). It runs on one thread: the CMA copy UCX does here is one thread
+too, and torch's two-thread copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s).
+
+The transport's own ceiling is measured too: one ``process_vm_readv`` of the sender's payload into this
+process, the single-threaded cross-process copy (CMA) that UCX's shared-memory zero-copy rendezvous does.
 
     python bench/bench_transfer.py [--reps 15] [--progress-mode thread|blocking] [--busy]
 
@@ -17,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import ctypes
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,52 +53,92 @@ WARMUP = 3
 IN_FLIGHT = 4
 
 
-def plan(reps: int) -> list[tuple[str, int, list[int]]]:
-    """Steps in sending order, as (kind, nbytes, rooms sent at once): per size a few warm-up transfers
-    (wire-up, page faults), ``reps`` single transfers, then ``reps`` groups of ``IN_FLIGHT`` concurrent ones."""
+def plan(reps: int) -> list[list[tuple[str, int, list[int]]]]:
+    """Steps in sending order, one group per size, as (kind, nbytes, rooms sent at once): a few warm-up
+    transfers (wire-up, page faults), ``reps`` single transfers, then ``reps`` groups of ``IN_FLIGHT``
+    concurrent ones."""
     rooms = itertools.count(1)
-    return [(kind, mb << 20, [next(rooms) for _ in range(width)])
-            for mb in SIZES_MB
-            for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT))
-            for _ in range(count)]
+    return [[(kind, mb << 20, [next(rooms) for _ in range(width)])
+             for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT))
+             for _ in range(count)]
+            for mb in SIZES_MB]
 
 
-async def receive(args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+async def receive(args: argparse.Namespace) -> dict[str, dict]:
+    """Per size: expect its rooms, hand their push addresses to the sender, and time each step's delivery.
+
+    Rooms are expected one size at a time: each expected room holds a posted receive, and a few hundred at
+    once would drain ucxx's pool of completion futures.
+    """
     rx = await KVReceiver.start()
-    sinks = {mb << 20: [torch.ones(mb << 20, dtype=torch.uint8) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
-    futures = [rx.expect(room, n, sinks[n][i], deadline_s=300)
-               for _, n, rooms in plan(args.reps) for i, room in enumerate(rooms)]
     sender = subprocess.Popen([sys.executable, __file__, "--role", "sender", "--reps", str(args.reps),
                                "--progress-mode", args.progress_mode],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    sender.stdin.write(base64.b64encode(rx.address).decode() + "\n")
-    sender.stdin.flush()
-    await asyncio.gather(*futures)
-    out, _ = await asyncio.to_thread(sender.communicate)
+    times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "cma": {}}
+    for group in plan(args.reps):
+        sinks = [torch.ones(group[0][1], dtype=torch.uint8) for _ in range(IN_FLIGHT)]
+        settled: dict[int, float] = {}
+        futures, addresses = [], {}
+        for _, n, rooms in group:
+            for i, room in enumerate(rooms):
+                futures.append(fut := rx.expect(room, n, sinks[i], deadline_s=300))
+                fut.add_done_callback(lambda _, room=room: settled.__setitem__(room, time.perf_counter()))
+                addresses[room] = base64.b64encode(rx.push_address(room)).decode()
+        sender.stdin.write(json.dumps(addresses) + "\n")
+        sender.stdin.flush()
+        await asyncio.gather(*futures)
+        report = json.loads(await asyncio.to_thread(sender.stdout.readline))
+        n = group[0][1]
+        times["cma"][n] = [cma_read(report["pid"], report["payload"], sinks[0], n) for _ in range(args.reps)]
+        for (kind, n, rooms), (t0, acked, copy) in zip(group, report["steps"], strict=True):
+            if kind != "warmup":
+                times["acked"].setdefault(kind, {}).setdefault(n, []).append(acked - t0)
+                times["delivered"].setdefault(kind, {}).setdefault(n, []).append(max(settled[r] for r in rooms) - t0)
+                times["memcpy"].setdefault(n, []).append(copy)
+    sender.stdin.close()
+    await asyncio.to_thread(sender.wait)
     await rx.close()
     if sender.returncode:
         raise SystemExit(f"sender failed with {sender.returncode}")
-    return {kind: {int(n): v for n, v in by_size.items()} for kind, by_size in json.loads(out).items()}
+    return times
 
 
 async def send(args: argparse.Namespace) -> None:
-    """Time each step from the first send() to the last DONE; print {kind: {nbytes: [seconds]}}."""
-    address = base64.b64decode(sys.stdin.readline())
+    """Per size group print (start, last DONE, memcpy seconds) per step, the clock starting at the first send(),
+    then wait for the next group's addresses with the payload in place, for the receiver's CMA reads."""
     torch.set_num_threads(1)
     tx = await KVSender.start()
-    payloads = {mb << 20: torch.randint(0, 256, (mb << 20,), dtype=torch.uint8) for mb in SIZES_MB}
-    scratch = {n: torch.ones_like(p) for n, p in payloads.items()}
-    times: dict[str, dict[int, list[float]]] = {"serial": {}, "concurrent": {}, "memcpy": {}}
-    for kind, n, rooms in plan(args.reps):
-        t0 = time.perf_counter()
-        await asyncio.gather(*(tx.send(address, room, payloads[n], Trailer(room), deadline_s=60) for room in rooms))
-        t1 = time.perf_counter()
-        scratch[n].copy_(payloads[n])
-        if kind != "warmup":
-            times[kind].setdefault(n, []).append(t1 - t0)
-            times["memcpy"].setdefault(n, []).append(time.perf_counter() - t1)
+    for group in plan(args.reps):
+        addresses = {int(room): base64.b64decode(a) for room, a in json.loads(sys.stdin.readline()).items()}
+        payload = torch.randint(0, 256, (group[0][1],), dtype=torch.uint8)
+        scratch = torch.ones_like(payload)
+        steps = []
+        for _, _, rooms in group:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(tx.send(addresses[r], r, payload, Trailer(r), deadline_s=60) for r in rooms))
+            t1 = time.perf_counter()
+            scratch.copy_(payload)
+            steps.append((t0, t1, time.perf_counter() - t1))
+        print(json.dumps({"steps": steps, "pid": os.getpid(), "payload": payload.data_ptr()}), flush=True)
     await tx.close()
-    print(json.dumps(times))
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def cma_read(pid: int, address: int, into: torch.Tensor, nbytes: int) -> float:
+    """Seconds for one process_vm_readv of ``nbytes`` at ``address`` in process ``pid`` into ``into``."""
+    local, remote = _IOVec(into.data_ptr(), nbytes), _IOVec(address, nbytes)
+    t0 = time.perf_counter()
+    done = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    elapsed = time.perf_counter() - t0
+    if done != nbytes:
+        raise OSError(ctypes.get_errno(), f"process_vm_readv read {done} of {nbytes} bytes")
+    return elapsed
+
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def busy_loop(stop: threading.Event) -> None:
@@ -113,16 +164,23 @@ def main() -> None:
     times = uvloop.run(receive(args))
     stop.set()
     result = {"bench": "kv_transfer", "progress_mode": args.progress_mode, "busy": args.busy, "reps": args.reps,
-              "ucx": "first send() until the last DONE of a step", "memcpy": "torch copy_, 1 thread",
-              "stat": "median"}
+              "ucx": "first send() until the receiver holds every byte (delivered) / the sender got DONE (acked)",
+              "memcpy": "torch copy_, 1 thread", "cma": "one process_vm_readv, the transport's ceiling",
+              "stat": "median", "ratio": "delivered / memcpy"}
     for mb in SIZES_MB:
         n = mb << 20
         copy = n / statistics.median(times["memcpy"][n]) / 1e9
-        serial = n / statistics.median(times["serial"][n]) / 1e9
-        concurrent = IN_FLIGHT * n / statistics.median(times["concurrent"][n]) / 1e9
-        result[f"{mb}MB"] = {"ucx_gbps": round(serial, 2), "memcpy_gbps": round(copy, 2),
-                             "ratio": round(serial / copy, 2), f"ucx_gbps_{IN_FLIGHT}_in_flight": round(concurrent, 2),
-                             f"ratio_{IN_FLIGHT}_in_flight": round(concurrent / copy, 2)}
+        cma = n / statistics.median(times["cma"][n]) / 1e9
+        row = {"memcpy_gbps": round(copy, 2), "cma_gbps": round(cma, 2), "cma_ratio": round(cma / copy, 2)}
+        for end in ("delivered", "acked"):
+            for kind, width in (("serial", 1), ("concurrent", IN_FLIGHT)):
+                gbps = width * n / statistics.median(times[end][kind][n]) / 1e9
+                suffix = f"{end}" + ("" if width == 1 else f"_{width}_in_flight")
+                row[f"ucx_gbps_{suffix}"] = round(gbps, 2)
+                row[f"ratio_{suffix}"] = round(gbps / copy, 2)
+        row["ratio"] = row["ratio_delivered"]
+        row["delivered_vs_cma"] = round(row["ucx_gbps_delivered"] / cma, 2)
+        result[f"{mb}MB"] = row
     print(json.dumps(result))
 
 

@@ -1,6 +1,7 @@
 """Decode side of PD: ask prefill for the delta KV, receive it over UCX into the request's pages.
 
-Order matters: the receive is posted (``expect``) before the handshake, so prefill's push always finds it.
+Order matters: the receive is posted (``expect``) before the handshake, so prefill's push always finds it;
+the handshake carries the push address of that receive.
 The receive's future settles only when nothing writes into the staging buffer any more, so every exit
 path waits for it before the pages can be reused.
 """
@@ -36,7 +37,6 @@ class DeltaKVFetcher:
         self.receiver = receiver
         self.metrics = metrics
         self.http = httpx.AsyncClient(timeout=config.handshake_timeout_s)
-        self.address = base64.b64encode(receiver.address).decode()
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -82,7 +82,7 @@ class DeltaKVFetcher:
             "decode_prefix_len": prefix,
             "prompt_len": len(prompt),
             "prompt_digest": prompt_digest(prompt),
-            "ucx_address": self.address,
+            "ucx_address": base64.b64encode(self.receiver.push_address(boot.room)).decode(),
             "layout": self.pool.layout.describe(),
             "token": self.config.pd_token,
         }

@@ -33,6 +33,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import torch  # noqa: E402
 import ucxx  # noqa: E402
 from ucxx._lib_async import Endpoint, Listener  # noqa: E402  (the types ucxx hands out)
+from ucxx.exceptions import UCXMessageTruncatedError, UCXMsgTruncated  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ def close_endpoint(ep: Endpoint | None) -> None:
     """Close an endpoint now; ucxx cancels the receives that were posted through it."""
     if ep is not None:
         ep.abort(period=CLOSE_PERIOD_NS)
+
+
+def is_truncation(e: Exception) -> bool:
+    """Whether a receive failed because the message was longer than its buffer (UCX then dropped the rest)."""
+    return isinstance(e, (UCXMessageTruncatedError, UCXMsgTruncated))
 
 
 async def send_quietly(ep: Endpoint, data: bytes) -> None:

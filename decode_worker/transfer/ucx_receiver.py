@@ -2,8 +2,8 @@
 
 Senders connect to our listener (endpoint error handling on, so a dead sender is noticed) for control
 messages, and push payloads over a worker-address endpoint without error handling (shared memory / CMA
-here, RDMA on InfiniBand). Each payload carries its own tag, so any number of rooms can be in flight
-from one sender.
+here, RDMA on InfiniBand). Each room's payload comes under a tag granted by ``expect()``, whose receive is
+posted at once: the payload lands as soon as it arrives, whether or not the sender's OFFER was read yet.
 
 A posted UCX receive cannot be cancelled on its own, only by closing the endpoint it was posted through.
 So each receive is posted through its own "slot": an endpoint to our own worker. Tag matching is
@@ -13,7 +13,9 @@ pooled because creating one costs ~10 ms in thread progress mode.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ from .ucx_channel import (
     as_buffer,
     close_endpoint,
     connect_bulk,
+    is_truncation,
     listen,
     release,
     send_quietly,
@@ -50,6 +53,7 @@ class _Peer:
 @dataclass(eq=False)
 class _Room:
     room: int
+    tag: int  # the payload's tag, granted here and never reused
     nbytes: int
     buf: object  # the first nbytes of the caller's tensor, flat: UCX writes here, no copy
     result: asyncio.Future[Trailer]
@@ -58,6 +62,8 @@ class _Room:
     offer: Msg | None = None
     receiving: asyncio.Task | None = None
     slot: Endpoint | None = None  # holds the posted receive while it may still be cancelled
+    landed: bool = False  # every payload byte is in buf
+    consumed: bool = False  # the payload met our receive: it landed, or UCX truncated it
     error: TransferError | None = None  # set once the room is failing
 
 
@@ -77,6 +83,8 @@ class KVReceiver:
         self._worker = worker_address()
         self._listener = None
         self._rooms: dict[int, _Room] = {}
+        self._tags = itertools.count((int.from_bytes(os.urandom(4), "little") << 32) + 1)
+        self._landed_unclaimed: set[int] = set()  # tags of failed rooms whose payload came before its OFFER
         self._peers: list[_Peer] = []
         self._slots: list[Endpoint] = []
         self._drain: Endpoint | None = None  # where payloads we refuse are truncated away
@@ -95,13 +103,14 @@ class KVReceiver:
             self._slots.append(await connect_bulk(self._worker))
         return self
 
-    @property
-    def address(self) -> bytes:
-        """Opaque address for the handshake: listener host/port plus UCX worker address."""
-        return PeerAddress(self.host, self.port, self._worker).pack()
+    def push_address(self, room: int) -> bytes:
+        """Opaque address for the handshake of an expected ``room``: our listener, our UCX worker address and
+        the room's payload tag."""
+        return PeerAddress(self.host, self.port, self._worker, self._rooms[room].tag).pack()
 
     def expect(self, room: int, nbytes: int, into: torch.Tensor, deadline_s: float) -> asyncio.Future[Trailer]:
-        """Accept ``nbytes`` for ``room`` into the first bytes of the contiguous tensor ``into``.
+        """Accept ``nbytes`` for ``room`` into the first bytes of the contiguous tensor ``into``, and post its
+        receive; hand ``push_address(room)`` to the sender.
 
         Abort with ``cancel(room)`` and keep awaiting (shield it from task cancellation): cancelling the
         future itself also releases the room, but then nothing tells when the buffer is free.
@@ -111,10 +120,12 @@ class KVReceiver:
         if room in self._rooms:
             raise ValueError(f"room {room} is already expected")
         loop = asyncio.get_running_loop()
-        r = _Room(room, nbytes, as_buffer(into, nbytes), loop.create_future())
+        r = _Room(room, next(self._tags), nbytes, as_buffer(into, nbytes), loop.create_future())
         r.timer = loop.call_later(deadline_s, self._fail, r, "timeout")
         r.result.add_done_callback(lambda f: f.cancelled() and self._fail(r, "cancelled"))
         self._rooms[room] = r
+        if nbytes:
+            r.receiving = self._spawn(self._receive(r))
         return r.result
 
     def cancel(self, room: int) -> None:
@@ -174,47 +185,51 @@ class KVReceiver:
                 self._reply(peer, msg, Kind.REJECT, msg.reason or "cancelled")
 
     def _on_offer(self, peer: _Peer, r: _Room | None, msg: Msg) -> None:
-        if r is None or r.peer is not None or r.error is not None:
+        if r is None or r.peer is not None or r.error is not None or msg.tag != r.tag:
             self._refuse(peer, msg, "unknown_room")
-        elif msg.nbytes != r.nbytes:
-            self._refuse(peer, msg, "size_mismatch")
+            return
+        r.peer, r.offer = peer, msg
+        peer.rooms.add(r.room)
+        if msg.nbytes != r.nbytes:  # the receive posted for it drains the payload, see _receive
             self._fail(r, "size_mismatch", f"offered {msg.nbytes} bytes, expected {r.nbytes}")
-        else:
-            r.peer, r.offer = peer, msg
-            peer.rooms.add(r.room)
-            if r.nbytes == 0:
-                self._settle(r)
-            else:
-                r.receiving = self._spawn(self._receive(r))
+        elif r.nbytes == 0 or r.landed:
+            self._settle(r)
 
     # -- one room -----------------------------------------------------------------------------------
 
     async def _receive(self, r: _Room) -> None:
+        """Post the room's receive; settle once it landed and the OFFER is in, or once it failed."""
         try:
             slot = self._slots.pop() if self._slots else await connect_bulk(self._worker)
         except Exception as e:
             self._fail(r, "peer_lost", f"no receive slot: {e!r}")
-            slot = None
-        landed = False
-        if r.error is None:
+            return
+        if r.error is None:  # else failed before anything was posted: the slot is still clean
             r.slot = slot
             try:
-                await slot.recv(r.buf, tag=r.offer.tag, force_tag=True)
-                landed = True
-            except Exception as e:  # cancelled by _fail(), or the transport failed
-                self._fail(r, "peer_lost", f"receive failed: {e!r}")
-        if slot is not None and r.slot is slot and not self._closed:
-            self._slots.append(slot)  # _fail() closes and forgets the slot of a receive it cancels
-        r.slot = None
-        if not landed and r.error.reason != "peer_lost":
-            self._spawn(self._truncate(r.offer.tag))  # the payload still comes; take it off the sender
+                await slot.recv(r.buf, tag=r.tag, force_tag=True)
+                r.landed = r.consumed = True
+            except Exception as e:  # cancelled by _fail(), the payload was too long, or the transport failed
+                r.consumed = is_truncation(e)
+                self._fail(r, "size_mismatch" if r.consumed else "peer_lost", f"receive failed: {e!r}")
+            if r.slot is not slot:  # _fail() closed it to cancel the receive
+                slot = None
+            r.slot = None
+        if slot is not None:
+            (close_endpoint if self._closed else self._slots.append)(slot)
+        if r.error is None:
+            if r.offer is not None:
+                self._settle(r)
+            return  # the OFFER settles the room when it comes
+        if not r.consumed and r.offer is not None and r.error.reason != "peer_lost":
+            self._spawn(self._truncate(r.tag))  # the payload still comes; take it off the sender
         self._settle(r)
 
     def _fail(self, r: _Room, reason: str, detail: str = "") -> None:
         if r.error is not None or self._rooms.get(r.room) is not r:
             return
         r.error = TransferError(r.room, reason, detail)
-        if r.receiving is None:
+        if r.receiving is None or r.receiving.done():
             self._settle(r)
             return
         close_endpoint(r.slot)  # cancels the receive unless its data is already landing
@@ -232,6 +247,8 @@ class KVReceiver:
             return
         del self._rooms[r.room]
         r.timer.cancel()
+        if r.error is not None and r.consumed and r.offer is None:
+            self._landed_unclaimed.add(r.tag)  # its late OFFER must not post a drain for a payload already taken
         if r.peer is not None:
             r.peer.rooms.discard(r.room)
             self._reply(r.peer, r.offer, Kind.REJECT if r.error else Kind.DONE, r.error.reason if r.error else "")
@@ -244,7 +261,9 @@ class KVReceiver:
 
     def _refuse(self, peer: _Peer, offer: Msg, reason: str) -> None:
         self._reply(peer, offer, Kind.REJECT, reason)
-        if offer.nbytes:
+        if offer.tag in self._landed_unclaimed:
+            self._landed_unclaimed.discard(offer.tag)
+        elif offer.nbytes:
             self._spawn(self._truncate(offer.tag))
 
     async def _truncate(self, tag: int) -> None:

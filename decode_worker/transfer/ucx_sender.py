@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -50,9 +49,8 @@ class KVSender:
     """Sends rooms to any number of decode peers; concurrent sends share one link per peer."""
 
     def __init__(self) -> None:
-        self._links: dict[bytes, asyncio.Task[_Link]] = {}
+        self._links: dict[tuple[str, int, bytes], asyncio.Task[_Link]] = {}
         self._xfers = itertools.count(1)
-        self._nonce = int.from_bytes(os.urandom(4), "little") << 32  # payload tag = nonce | xfer
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
@@ -61,9 +59,9 @@ class KVSender:
         acquire()
         return cls()
 
-    async def send(self, peer_address: bytes, room: int, payload: torch.Tensor, trailer: Trailer,
+    async def send(self, push_address: bytes, room: int, payload: torch.Tensor, trailer: Trailer,
                    deadline_s: float) -> None:
-        """Push the contiguous ``payload`` and ``trailer`` for ``room`` to the receiver at ``peer_address``.
+        """Push the contiguous ``payload`` and ``trailer`` for ``room`` to the receiver that granted ``push_address``.
 
         Returns once the receiver holds every byte; raises ``TransferError`` otherwise. UCX may read
         ``payload`` until this returns or raises (after a deadline, for at most ``ABORT_GRACE_S`` more while
@@ -73,13 +71,17 @@ class KVSender:
             raise RuntimeError("sender is closed")
         buf = as_buffer(payload)
         deadline = asyncio.get_running_loop().time() + deadline_s
-        link = await self._link(peer_address, room, deadline)
+        try:
+            peer = PeerAddress.unpack(push_address)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TransferError(room, "peer_lost", f"cannot connect: {e}") from e
+        link = await self._link(peer, room, deadline)
         xfer = next(self._xfers)
         inbox = link.inboxes[xfer] = asyncio.Queue()
         if link.lost:  # lost after _link() handed it out: nobody will answer
             link.inboxes.pop(xfer)
             raise TransferError(room, "peer_lost", "connection to the receiver lost")
-        offer = Msg(Kind.OFFER, room, xfer, nbytes=buf.nbytes, tag=self._nonce | xfer, trailer=trailer)
+        offer = Msg(Kind.OFFER, room, xfer, nbytes=buf.nbytes, tag=peer.tag, trailer=trailer)
         self._spawn(send_quietly(link.ctrl, offer.pack()))  # a lost peer shows up as its verdict
         if buf.nbytes:
             self._spawn(_send_payload(link.bulk, buf, offer.tag))
@@ -120,10 +122,10 @@ class KVSender:
                 pass
         return Msg(Kind.REJECT, offer.room, offer.xfer, reason=reason)
 
-    async def _link(self, address: bytes, room: int, deadline: float) -> _Link:
-        task = self._links.get(address)
+    async def _link(self, peer: PeerAddress, room: int, deadline: float) -> _Link:
+        task = self._links.get(peer.receiver)
         if task is None or (task.done() and (task.cancelled() or task.exception())):
-            task = self._links[address] = asyncio.ensure_future(self._connect(address))
+            task = self._links[peer.receiver] = asyncio.ensure_future(self._connect(peer))
         try:
             return await _before(deadline, asyncio.shield(task))
         except asyncio.TimeoutError:
@@ -131,8 +133,7 @@ class KVSender:
         except Exception as e:  # unreachable or malformed address, refused connection
             raise TransferError(room, "peer_lost", f"cannot connect: {e!r}") from e
 
-    async def _connect(self, address: bytes) -> _Link:
-        peer = PeerAddress.unpack(address)
+    async def _connect(self, peer: PeerAddress) -> _Link:
         ctrl = await connect_control(peer.host, peer.port)
         try:
             bulk = await connect_bulk(peer.worker)
@@ -140,10 +141,10 @@ class KVSender:
             close_endpoint(ctrl)
             raise
         link = _Link(ctrl, bulk)
-        self._spawn(self._read(address, link))
+        self._spawn(self._read(peer.receiver, link))
         return link
 
-    async def _read(self, address: bytes, link: _Link) -> None:
+    async def _read(self, receiver: tuple[str, int, bytes], link: _Link) -> None:
         """Route the peer's replies to their sends until the control endpoint fails, then forget the link."""
         try:
             while True:
@@ -156,7 +157,7 @@ class KVSender:
             logger.debug("KV receiver connection ended: %r", e)
         finally:
             link.lost = True
-            self._links.pop(address, None)  # the next send to this peer connects afresh
+            self._links.pop(receiver, None)  # the next send to this peer connects afresh
             for xfer, inbox in link.inboxes.items():
                 inbox.put_nowait(Msg(Kind.REJECT, 0, xfer, reason="peer_lost"))
             _close_link(link)

@@ -1,20 +1,22 @@
 """What the prefill sender and the decode receiver say to each other about one KV transfer.
 
 Every control message is one fixed-size record, so the receiving side can always post a buffer of
-``MSG_SIZE`` bytes. A transfer of room R costs one round trip on top of the payload:
+``MSG_SIZE`` bytes. The receiver grants each room a payload ``tag`` when it starts expecting the room and
+posts the payload's receive at once; the tag travels to the sender inside the push address of the
+handshake. A transfer of room R then costs one round trip on top of the payload:
 
     sender -> OFFER(room, xfer, nbytes, tag, trailer), and at once the payload on the bulk endpoint
-              under ``tag``; UCX holds a large payload at the sender until a receive matches it
-    receiver -> DONE                every byte landed; the sender may release its copy
+              under ``tag``; it lands in the receive posted for it without waiting for the OFFER
+    receiver -> DONE                every byte landed and the OFFER matched; the sender may release its copy
              or REJECT(reason)      unknown_room, size_mismatch, ...: sent once nothing reads the
                                     payload any more; a payload we will not take is drained into a
                                     1-byte receive (UCX truncates it without moving the data)
     sender -> ABORT(reason)         the sender gave up (deadline, cancel); the receiver answers REJECT
 
-``xfer`` pairs replies with the sender's pending sends; ``tag`` = sender nonce and ``xfer``, so a payload
-can never match another transfer's receive, even a retry of the same room. The payload does not wait for
-a go-ahead: a receiver-granted tag cost a second round trip, and dropping it took 16 MB transfers here
-from ~3 to ~5 GB/s.
+``xfer`` pairs replies with the sender's pending sends. Tags are never reused by a receiver, so a payload
+can never land in another transfer's buffer, even a retry of the same room. Posting the receive before the
+OFFER arrives takes the OFFER's trip through both event loops off the payload's path (measured in
+``bench/bench_transfer.py``).
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class Trailer:
 
 @dataclass(frozen=True)
 class PeerAddress:
-    """Everything a sender needs to reach a receiver: the control listener and the UCX worker address.
+    """Everything a sender needs to push one room: the receiver's control listener, its UCX worker address,
+    and the tag its payload receive was posted under.
 
     Packed into one opaque ``bytes`` (base64 it for the JSON handshake) so the handshake carries a single field.
     """
@@ -63,19 +66,27 @@ class PeerAddress:
     host: str
     port: int
     worker: bytes
+    tag: int = 0
 
     def pack(self) -> bytes:
         host = self.host.encode()
-        return struct.pack("<HH", self.port, len(host)) + host + self.worker
+        return struct.pack("<QHH", self.tag, self.port, len(host)) + host + self.worker
 
     @classmethod
     def unpack(cls, data: bytes) -> PeerAddress:
-        port, host_len = struct.unpack_from("<HH", data)
-        host = data[4 : 4 + host_len].decode()
-        worker = bytes(data[4 + host_len :])
+        if len(data) < 12:
+            raise ValueError("malformed peer address")
+        tag, port, host_len = struct.unpack_from("<QHH", data)
+        host = data[12 : 12 + host_len].decode()
+        worker = bytes(data[12 + host_len :])
         if not host or not worker:
             raise ValueError("malformed peer address")
-        return cls(host, port, worker)
+        return cls(host, port, worker, tag)
+
+    @property
+    def receiver(self) -> tuple[str, int, bytes]:
+        """Which receiver this is, whatever the room: links to it are shared by all its rooms."""
+        return self.host, self.port, self.worker
 
 
 class Kind(IntEnum):

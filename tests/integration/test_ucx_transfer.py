@@ -74,10 +74,16 @@ async def main():
             except Exception as e:
                 say(late_payload=repr(e))
         ucx_sender._send_payload = post_late
+    elif plan["mode"] == "offer_late":  # the payload goes at once, its OFFER half a second later
+        quiet = ucx_sender.send_quietly
+        async def offer_late(ep, data):
+            if data[5] == 1:  # Kind.OFFER
+                await asyncio.sleep(0.5)
+            await quiet(ep, data)
+        ucx_sender.send_quietly = offer_late
     sender = await KVSender.start()
-    address = base64.b64decode(plan["address"])
     for batch in plan["batches"]:
-        await asyncio.gather(*(one(sender, address, t, plan["fill"]) for t in batch))
+        await asyncio.gather(*(one(sender, base64.b64decode(t["address"]), t, plan["fill"]) for t in batch))
     if plan["mode"] == "late":
         await asyncio.sleep(1.5)  # the late payload goes out before we close
     await sender.close()
@@ -97,11 +103,14 @@ class Sender:
 
     @classmethod
     async def spawn(cls, rx: KVReceiver, batches: list[list[dict]], mode: str = "normal", fill: str = "random"):
+        """Each transfer goes to the push address of its room, which must be expected by now."""
+        for t in (t for batch in batches for t in batch):
+            t.setdefault("address", base64.b64encode(rx.push_address(t["room"])).decode())
         env = dict(os.environ, PYTHONPATH=str(ROOT), UCX_WARN_UNUSED_ENV_VARS="n")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", SENDER, cwd=ROOT, env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        plan = {"address": base64.b64encode(rx.address).decode(), "batches": batches, "mode": mode, "fill": fill}
+        plan = {"batches": batches, "mode": mode, "fill": fill}
         proc.stdin.write(json.dumps(plan).encode() + b"\n")
         await proc.stdin.drain()
         return cls(proc)
@@ -229,15 +238,15 @@ def test_cancel_frees_the_room_and_its_posted_receive():
             await waiting
         assert err.value.reason == "cancelled"
 
-        # Cancelled with its receive posted: the payload, sent late, must land nowhere, yet not stay stuck.
+        # Cancelled after its OFFER, receive posted: the payload, sent late, must land nowhere, yet not stay stuck.
         old = torch.zeros(MB, dtype=torch.uint8)
         posted = rx.expect(501, MB, old, deadline_s=30)
         late = await Sender.spawn(rx, [[{"room": 501, "nbytes": MB}]], mode="late")
         assert await late.line() == {"offered": True}
-        async def receive_posted() -> None:  # white-box: the receive for the offer is posted
-            while rx._rooms[501].slot is None:
+        async def offer_taken() -> None:  # white-box: the OFFER claimed the room, its receive is posted
+            while rx._rooms[501].offer is None or rx._rooms[501].slot is None:
                 await asyncio.sleep(0.01)
-        await asyncio.wait_for(receive_posted(), 30)
+        await asyncio.wait_for(offer_taken(), 30)
         t0 = time.monotonic()
         rx.cancel(501)
         with pytest.raises(TransferError) as err:
@@ -257,6 +266,47 @@ def test_cancel_frees_the_room_and_its_posted_receive():
         reports, rc = await sender.finish()
         assert rc == 0 and sha(into, MB) == reports[0]["sha256"]
         assert not old.any()
+
+    run(body)
+
+
+def test_payload_landing_before_its_offer_waits_for_the_offer():
+    async def body(rx: KVReceiver) -> None:
+        into = torch.zeros(4 * MB, dtype=torch.uint8)
+        t0 = time.monotonic()
+        result = rx.expect(801, 4 * MB, into, deadline_s=30)
+        sender = await Sender.spawn(rx, [[{"room": 801, "nbytes": 4 * MB}]], mode="offer_late")
+        async def landed() -> None:  # white-box: all bytes are in, the OFFER is not
+            while not rx._rooms[801].landed:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(landed(), 30)
+        assert rx._rooms[801].offer is None and not result.done()
+        assert (await result) == Trailer(801 % 1000, -0.25, (4 * MB,))
+        assert time.monotonic() - t0 >= 0.5
+        reports, rc = await sender.finish()
+        assert rc == 0 and reports[0]["ok"] and sha(into, 4 * MB) == reports[0]["sha256"]
+
+    run(body)
+
+
+def test_stale_push_address_never_lands_in_a_reexpected_room():
+    """A room expected again gets a new tag: a push to the old address is refused, the new buffer untouched."""
+    async def body(rx: KVReceiver) -> None:
+        first = rx.expect(901, MB, torch.zeros(MB, dtype=torch.uint8), deadline_s=30)
+        stale = base64.b64encode(rx.push_address(901)).decode()
+        rx.cancel(901)
+        with pytest.raises(TransferError):
+            await first
+        into = torch.zeros(MB, dtype=torch.uint8)
+        again = rx.expect(901, MB, into, deadline_s=30)
+        old = await Sender.spawn(rx, [[{"room": 901, "nbytes": MB, "address": stale}]])
+        reports, rc = await old.finish()
+        assert rc == 0 and (reports[0]["ok"], reports[0]["reason"]) == (False, "unknown_room")
+        assert not into.any() and not again.done()
+        sender = await Sender.spawn(rx, [[{"room": 901, "nbytes": MB}]])
+        assert (await again).first_token == 901
+        reports, rc = await sender.finish()
+        assert rc == 0 and sha(into, MB) == reports[0]["sha256"]
 
     run(body)
 
