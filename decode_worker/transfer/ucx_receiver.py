@@ -84,7 +84,7 @@ class KVReceiver:
         self._listener = None
         self._rooms: dict[int, _Room] = {}
         self._tags = itertools.count((int.from_bytes(os.urandom(4), "little") << 32) + 1)
-        self._landed_unclaimed: set[int] = set()  # tags of failed rooms whose payload came before its OFFER
+        self._consumed_early: dict[int, str] = {}  # tag -> failure, of failed rooms whose payload came before the OFFER
         self._peers: list[_Peer] = []
         self._slots: list[Endpoint] = []
         self._drain: Endpoint | None = None  # where payloads we refuse are truncated away
@@ -185,6 +185,9 @@ class KVReceiver:
                 self._reply(peer, msg, Kind.REJECT, msg.reason or "cancelled")
 
     def _on_offer(self, peer: _Peer, r: _Room | None, msg: Msg) -> None:
+        if (reason := self._consumed_early.pop(msg.tag, None)) is not None:
+            self._reply(peer, msg, Kind.REJECT, reason)
+            return
         if r is None or r.peer is not None or r.error is not None or msg.tag != r.tag:
             self._refuse(peer, msg, "unknown_room")
             return
@@ -248,7 +251,7 @@ class KVReceiver:
         del self._rooms[r.room]
         r.timer.cancel()
         if r.error is not None and r.consumed and r.offer is None:
-            self._landed_unclaimed.add(r.tag)  # its late OFFER must not post a drain for a payload already taken
+            self._consumed_early[r.tag] = r.error.reason  # its late OFFER is told why, and nothing is drained
         if r.peer is not None:
             r.peer.rooms.discard(r.room)
             self._reply(r.peer, r.offer, Kind.REJECT if r.error else Kind.DONE, r.error.reason if r.error else "")
@@ -261,9 +264,7 @@ class KVReceiver:
 
     def _refuse(self, peer: _Peer, offer: Msg, reason: str) -> None:
         self._reply(peer, offer, Kind.REJECT, reason)
-        if offer.tag in self._landed_unclaimed:
-            self._landed_unclaimed.discard(offer.tag)
-        elif offer.nbytes:
+        if offer.nbytes:
             self._spawn(self._truncate(offer.tag))
 
     async def _truncate(self, tag: int) -> None:

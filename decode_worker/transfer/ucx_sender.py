@@ -82,9 +82,9 @@ class KVSender:
             link.inboxes.pop(xfer)
             raise TransferError(room, "peer_lost", "connection to the receiver lost")
         offer = Msg(Kind.OFFER, room, xfer, nbytes=buf.nbytes, tag=peer.tag, trailer=trailer)
-        self._spawn(send_quietly(link.ctrl, offer.pack()))  # a lost peer shows up as its verdict
-        if buf.nbytes:
+        if buf.nbytes:  # first: its receive is already posted, the OFFER only has to arrive by the time it lands
             self._spawn(_send_payload(link.bulk, buf, offer.tag))
+        self._spawn(send_quietly(link.ctrl, offer.pack()))  # a lost peer shows up as its verdict
         try:
             verdict = await _before(deadline, inbox.get())
         except asyncio.TimeoutError:
@@ -124,7 +124,9 @@ class KVSender:
 
     async def _link(self, peer: PeerAddress, room: int, deadline: float) -> _Link:
         task = self._links.get(peer.receiver)
-        if task is None or (task.done() and (task.cancelled() or task.exception())):
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            return task.result()  # the common case, without a trip through the loop
+        if task is None or task.done():
             task = self._links[peer.receiver] = asyncio.ensure_future(self._connect(peer))
         try:
             return await _before(deadline, asyncio.shield(task))
