@@ -12,7 +12,7 @@ from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
 from decode_worker.model.tokenizer import Tokenizer
-from decode_worker.model.weights import load_weights
+from decode_worker.model.weights import load_weights, weights_digest
 
 
 @dataclass
@@ -20,6 +20,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer | None
+    weights_digest: str  # see weights_digest(): part of the KV layout, so checkpoints never share KV
 
 
 def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,4 +65,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     load_weights(model, tensors)
     model = model.to(dtype=dtype).eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
-    return LoadedModel(config, model, tok)
+    return LoadedModel(config, model, tok, weights_digest(model))

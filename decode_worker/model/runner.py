@@ -17,7 +17,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.page_size = page_size
         self.layout = KVLayout(
-            model_id=self.config.name,
+            model_id=f"{self.config.name}@{loaded.weights_digest}",
             num_layers=self.config.num_layers,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,

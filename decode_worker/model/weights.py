@@ -1,6 +1,7 @@
 """Copy Hugging Face-named tensors into the fused parameters of LlamaModel."""
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 
@@ -66,3 +67,20 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]])
     missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint lacks tensors for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
+    """Short digest of the loaded weights, so KV from two checkpoints that share a name and shape never mixes.
+
+    It hashes each parameter's name, shape, dtype and ``samples_per_tensor`` values strided across it:
+    a fine-tune or a merged adapter changes values all over a matrix, and sampling keeps start-up fast for
+    models of any size (reading every byte of a 70B checkpoint would take minutes).
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::step][:samples_per_tensor].float().cpu().contiguous()
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:12]
