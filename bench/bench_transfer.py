@@ -13,6 +13,9 @@ each timed step, so both see the same machine (absolute speeds on a shared machi
 minutes; the ratio is what to compare). It runs on one thread: the CMA copy UCX does here is one thread
 too, and torch's two-thread copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s).
 
+``fresh_buffer`` rows receive into a new, never-touched buffer each time, as the decode side did before it
+kept its staging buffers (``transfer/staging.py``): the same transfer, paying first-touch page faults.
+
 The transport's own ceiling is measured too: one ``process_vm_readv`` of the sender's payload into this
 process, the single-threaded cross-process copy (CMA) that UCX's shared-memory zero-copy rendezvous does.
 
@@ -54,20 +57,21 @@ IN_FLIGHT = 4
 
 
 def plan(reps: int) -> list[list[tuple[str, int, list[int]]]]:
-    """Steps in sending order, one group per size, as (kind, nbytes, rooms sent at once): a few warm-up
-    transfers (wire-up, page faults), ``reps`` single transfers, then ``reps`` groups of ``IN_FLIGHT``
-    concurrent ones."""
+    """Steps in sending order, one group per size and kind, as (kind, nbytes, rooms sent at once): a few warm-up
+    transfers (wire-up, page faults), ``reps`` single transfers, ``reps`` groups of ``IN_FLIGHT``
+    concurrent ones, then ``reps`` single transfers into fresh buffers (what a transfer costs without the
+    staging pool: first-touch page faults)."""
     rooms = itertools.count(1)
-    return [[(kind, mb << 20, [next(rooms) for _ in range(width)])
-             for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT))
-             for _ in range(count)]
-            for mb in SIZES_MB]
+    return [[(kind, mb << 20, [next(rooms) for _ in range(width)]) for _ in range(count)]
+            for mb in SIZES_MB
+            for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT),
+                                       ("fresh", reps, 1))]
 
 
 async def receive(args: argparse.Namespace) -> dict[str, dict]:
-    """Per size: expect its rooms, hand their push addresses to the sender, and time each step's delivery.
+    """Per group: expect its rooms, hand their push addresses to the sender, and time each step's delivery.
 
-    Rooms are expected one size at a time: each expected room holds a posted receive, and a few hundred at
+    Rooms are expected one group at a time: each expected room holds a posted receive, and a hundred at
     once would drain ucxx's pool of completion futures.
     """
     rx = await KVReceiver.start()
@@ -75,13 +79,14 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
                                "--progress-mode", args.progress_mode],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "cma": {}}
+    sinks = {mb << 20: [torch.ones(mb << 20, dtype=torch.uint8) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
     for group in plan(args.reps):
-        sinks = [torch.ones(group[0][1], dtype=torch.uint8) for _ in range(IN_FLIGHT)]
         settled: dict[int, float] = {}
         futures, addresses = [], {}
-        for _, n, rooms in group:
+        for kind, n, rooms in group:
             for i, room in enumerate(rooms):
-                futures.append(fut := rx.expect(room, n, sinks[i], deadline_s=300))
+                sink = torch.empty(n, dtype=torch.uint8) if kind == "fresh" else sinks[n][i]
+                futures.append(fut := rx.expect(room, n, sink, deadline_s=300))
                 fut.add_done_callback(lambda _, room=room: settled.__setitem__(room, time.perf_counter()))
                 addresses[room] = base64.b64encode(rx.push_address(room)).decode()
         sender.stdin.write(json.dumps(addresses) + "\n")
@@ -89,7 +94,8 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
         await asyncio.gather(*futures)
         report = json.loads(await asyncio.to_thread(sender.stdout.readline))
         n = group[0][1]
-        times["cma"][n] = [cma_read(report["pid"], report["payload"], sinks[0], n) for _ in range(args.reps)]
+        if group[0][0] == "serial":
+            times["cma"][n] = [cma_read(report["pid"], report["payload"], sinks[n][0], n) for _ in range(args.reps)]
         for (kind, n, rooms), (t0, acked, copy) in zip(group, report["steps"], strict=True):
             if kind != "warmup":
                 times["acked"].setdefault(kind, {}).setdefault(n, []).append(acked - t0)
@@ -104,14 +110,15 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
 
 
 async def send(args: argparse.Namespace) -> None:
-    """Per size group print (start, last DONE, memcpy seconds) per step, the clock starting at the first send(),
+    """Per group print (start, last DONE, memcpy seconds) per step, the clock starting at the first send(),
     then wait for the next group's addresses with the payload in place, for the receiver's CMA reads."""
     torch.set_num_threads(1)
     tx = await KVSender.start()
+    payloads = {mb << 20: torch.randint(0, 256, (mb << 20,), dtype=torch.uint8) for mb in SIZES_MB}
+    scratches = {n: torch.ones_like(p) for n, p in payloads.items()}
     for group in plan(args.reps):
         addresses = {int(room): base64.b64decode(a) for room, a in json.loads(sys.stdin.readline()).items()}
-        payload = torch.randint(0, 256, (group[0][1],), dtype=torch.uint8)
-        scratch = torch.ones_like(payload)
+        payload, scratch = payloads[group[0][1]], scratches[group[0][1]]
         steps = []
         for _, _, rooms in group:
             t0 = time.perf_counter()
@@ -178,6 +185,9 @@ def main() -> None:
                 suffix = f"{end}" + ("" if width == 1 else f"_{width}_in_flight")
                 row[f"ucx_gbps_{suffix}"] = round(gbps, 2)
                 row[f"ratio_{suffix}"] = round(gbps / copy, 2)
+        fresh = n / statistics.median(times["delivered"]["fresh"][n]) / 1e9
+        row["ucx_gbps_delivered_fresh_buffer"] = round(fresh, 2)
+        row["ratio_delivered_fresh_buffer"] = round(fresh / copy, 2)
         row["ratio"] = row["ratio_delivered"]
         row["delivered_vs_cma"] = round(row["ucx_gbps_delivered"] / cma, 2)
         result[f"{mb}MB"] = row

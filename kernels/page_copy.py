@@ -29,9 +29,10 @@ def copy_pages_reference(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.
     dst.index_copy_(2, dst_pages.to(dst.device, torch.int64), pages.to(dst.device, non_blocking=dst.is_cuda))
 
 
-def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """buffer[:, :, pages] as a new contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor."""
-    return buffer.index_select(2, pages.to(buffer.device, torch.int64))
+def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """buffer[:, :, pages] as a contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor (``out`` if given)."""
+    pages = pages.to(buffer.device, torch.int64)
+    return buffer.index_select(2, pages) if out is None else torch.index_select(buffer, 2, pages, out=out)
 
 
 def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
@@ -92,10 +93,10 @@ def copy_pages_triton(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Ten
     )
 
 
-def gather_pages_triton(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def gather_pages_triton(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`gather_pages_reference`."""
     layers, kv, _, page_size, kv_heads, head_dim = buffer.shape
-    staging = buffer.new_empty((layers, kv, pages.numel(), page_size, kv_heads, head_dim))
+    staging = buffer.new_empty((layers, kv, pages.numel(), page_size, kv_heads, head_dim)) if out is None else out
     copy_pages_triton(buffer, staging, pages, torch.arange(pages.numel(), device=buffer.device))
     return staging
 
@@ -119,11 +120,12 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
         copy_pages_reference(src, dst, src_pages, dst_pages)
 
 
-def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """A request's pages as one contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor on ``buffer``'s device."""
-    if triton is not None and buffer.is_cuda and _pages_contiguous(buffer):
-        return gather_pages_triton(buffer, pages)
-    return gather_pages_reference(buffer, pages)
+def gather_pages(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A request's pages as one contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor on ``buffer``'s
+    device: ``out`` when given (it must have that shape), else a new one."""
+    if triton is not None and buffer.is_cuda and _pages_contiguous(buffer) and (out is None or _pages_contiguous(out)):
+        return gather_pages_triton(buffer, pages, out)
+    return gather_pages_reference(buffer, pages, out)
 
 
 def scatter_pages(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from decode_worker.config import ServerConfig
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.transfer.handshake import HANDSHAKE_PATH, prompt_digest
+from decode_worker.transfer.staging import StagingPool
 from decode_worker.transfer.ucx_receiver import KVReceiver
 from decode_worker.transfer.wire import TransferError
 from decode_worker_kernels.page_copy import scatter_pages
@@ -37,6 +38,7 @@ class DeltaKVFetcher:
         self.receiver = receiver
         self.metrics = metrics
         self.http = httpx.AsyncClient(timeout=config.handshake_timeout_s)
+        self.staging = StagingPool()  # received KV lands in host memory, then is scattered into the pool
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -52,25 +54,25 @@ class DeltaKVFetcher:
         prompt = req.seq.prompt_ids
         prefix = req.prefix_pages * layout.page_size
         n_pages = delta_pages.numel()
-        staging = torch.empty((layout.num_layers, 2, n_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
-                              dtype=layout.dtype)
-        started = time.monotonic()
-        received = self.receiver.expect(boot.room, staging.numel() * staging.element_size(), staging,
-                                        self.config.handshake_timeout_s + self.config.transfer_timeout_s)
-        try:
-            await self._handshake(boot, prefix, prompt)
-            trailer = await received
-        except TransferError as e:
-            raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"
-                                       + (f" ({e.detail})" if e.detail else ""), 504 if e.reason == "timeout" else 502) from e
-        finally:
-            if not received.done():
-                self.receiver.cancel(boot.room)
-            try:  # the buffer may be reused only once the receiver let go of it
-                await asyncio.shield(received)
-            except (TransferError, asyncio.CancelledError):
-                pass
-        scatter_pages(staging, self.pool.buffer, delta_pages)
+        shape = (layout.num_layers, 2, n_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        with self.staging.borrow(shape, layout.dtype) as staging:
+            started = time.monotonic()
+            received = self.receiver.expect(boot.room, staging.numel() * staging.element_size(), staging,
+                                            self.config.handshake_timeout_s + self.config.transfer_timeout_s)
+            try:
+                await self._handshake(boot, prefix, prompt)
+                trailer = await received
+            except TransferError as e:
+                raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"
+                                           + (f" ({e.detail})" if e.detail else ""), 504 if e.reason == "timeout" else 502) from e
+            finally:
+                if not received.done():
+                    self.receiver.cancel(boot.room)
+                try:  # the buffer may be reused only once the receiver let go of it
+                    await asyncio.shield(received)
+                except (TransferError, asyncio.CancelledError):
+                    pass
+            scatter_pages(staging, self.pool.buffer, delta_pages)
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix)
         self.metrics.kv_received_bytes.inc(staging.numel() * staging.element_size())
         self.metrics.kv_transfer.observe(time.monotonic() - started)

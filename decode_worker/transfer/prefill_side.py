@@ -19,6 +19,7 @@ from decode_worker.api.schemas import HandshakeRequest
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.transfer.handshake import prompt_digest
+from decode_worker.transfer.staging import StagingPool
 from decode_worker.transfer.ucx_sender import KVSender
 from decode_worker.transfer.wire import TransferError, Trailer
 from decode_worker_kernels.page_copy import gather_pages
@@ -44,9 +45,14 @@ class KVHandoff:
     sender: KVSender
     metrics: Metrics
     scheduler: "Scheduler | None" = None
+    staging: StagingPool | None = None  # on the pool's device, where pages are gathered
     leases: dict[int, _Lease] = field(default_factory=dict)
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.staging is None:
+            self.staging = StagingPool(self.pool.buffer.device)
 
     def on_prefilled(self, req: "Req") -> bool:
         """Scheduler hook after the first token: hold a PD request's KV for its decode peer."""
@@ -98,15 +104,14 @@ class KVHandoff:
         if body.decode_prefix_len % ps or not 0 <= body.decode_prefix_len <= len(prompt):
             raise RequestError(f"decode_prefix_len {body.decode_prefix_len} must be a multiple of the page size "
                                f"{ps} within the {len(prompt)}-token prompt")
-        pages = req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)]
-        staging = await asyncio.to_thread(gather_pages, self.pool.buffer, torch.tensor(pages, dtype=torch.int64))
+        pages = torch.tensor(req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)], dtype=torch.int64)
         trailer = Trailer(req.seq.output_ids[0], req.seq.output_logprobs[0])
         address = base64.b64decode(body.ucx_address)
-        task = asyncio.get_running_loop().create_task(self._push(req, address, body.room, staging, trailer))
+        task = asyncio.get_running_loop().create_task(self._push(req, address, body.room, pages, trailer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return {"status": "sending", "room": body.room, "tokens": len(prompt) - body.decode_prefix_len,
-                "nbytes": staging.numel() * staging.element_size()}
+                "nbytes": pages.numel() * layout.page_bytes}
 
     async def _wait_for_room(self, room: int) -> _Lease:
         """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""
@@ -122,9 +127,14 @@ class KVHandoff:
             raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
         return lease
 
-    async def _push(self, req: "Req", address: bytes, room: int, staging, trailer: Trailer) -> None:
+    async def _push(self, req: "Req", address: bytes, room: int, pages: torch.Tensor, trailer: Trailer) -> None:
+        """Gather the pages into a staging buffer and send it; the held pages are released whatever happens."""
+        layout = self.pool.layout
+        shape = (layout.num_layers, 2, pages.numel(), layout.page_size, layout.num_kv_heads, layout.head_dim)
         try:
-            await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
+            with self.staging.borrow(shape, layout.dtype) as staging:
+                await asyncio.to_thread(gather_pages, self.pool.buffer, pages, staging)
+                await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
         except TransferError as e:
             self.metrics.transfer_failures.labels(e.reason).inc()
             log.warning("push of room %d failed: %s", room, e)

@@ -1,0 +1,41 @@
+"""Staging buffers are lent again after a transfer that succeeded, and dropped after one that failed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_worker.transfer.staging import MIN_BYTES, StagingPool
+
+
+def test_reuses_the_best_fitting_block_after_success():
+    pool = StagingPool()
+    with pool.borrow((3, 1000), torch.float32) as a:
+        assert a.shape == (3, 1000) and a.dtype == torch.float32 and a.is_contiguous()
+        a_ptr = a.data_ptr()
+    with pool.borrow((4 << 20,), torch.uint8) as big:
+        big_ptr = big.data_ptr()
+    assert pool.cached_bytes == MIN_BYTES + (4 << 20)
+    with pool.borrow((10,), torch.bfloat16) as small, pool.borrow((3 << 20,), torch.uint8) as mid:
+        assert small.data_ptr() == a_ptr  # the 1 MB block, not the 4 MB one
+        assert mid.data_ptr() == big_ptr
+        assert pool.cached_bytes == 0
+
+
+def test_a_failed_transfer_drops_its_block():
+    pool = StagingPool()
+    with pytest.raises(RuntimeError):
+        with pool.borrow((100,), torch.float32):
+            raise RuntimeError("transfer failed")
+    assert pool.cached_bytes == 0
+
+
+def test_keeps_at_most_max_cached_bytes_oldest_dropped_first():
+    pool = StagingPool(max_cached_bytes=2 * MIN_BYTES)
+    with pool.borrow((MIN_BYTES,), torch.uint8) as a, pool.borrow((MIN_BYTES,), torch.uint8) as b, \
+            pool.borrow((MIN_BYTES,), torch.uint8) as c:
+        ptrs = a.data_ptr(), b.data_ptr(), c.data_ptr()
+    # returned in the order c, b, a: c, the oldest, made room
+    assert [blk.data_ptr() for blk in pool._free] == [ptrs[1], ptrs[0]]
+    with pool.borrow((8 * MIN_BYTES,), torch.uint8):
+        pass
+    assert pool.cached_bytes == 2 * MIN_BYTES  # a block larger than the cap is never kept
