@@ -96,6 +96,16 @@ def close_endpoint(ep: Endpoint | None) -> None:
         ep.abort(period=CLOSE_PERIOD_NS)
 
 
+def reserve_request_future() -> None:
+    """Top up ucxx's pool of completion futures before posting a request.
+
+    Its notifier thread refills the pool only when it wakes, so a burst of posted receives (one per expected
+    room: a hundred PD requests arriving at once) would empty it, and ucxx then prints a warning on stdout
+    for every further request. A top-up that finds the pool full costs ~0.1 us.
+    """
+    ucxx.core._get_ctx().worker.populate_python_futures_pool()  # no public accessor; ucxx is pinned for this
+
+
 def is_truncation(e: Exception) -> bool:
     """Whether a receive failed because the message was longer than its buffer (UCX then dropped the rest)."""
     return isinstance(e, (UCXMessageTruncatedError, UCXMsgTruncated))
@@ -104,6 +114,7 @@ def is_truncation(e: Exception) -> bool:
 async def send_quietly(ep: Endpoint, data: bytes) -> None:
     """Send a control message to a peer that may be gone; its loss is noticed by our receive loop."""
     try:
+        reserve_request_future()
         await ep.send(data)
     except Exception as e:  # ucxx raises its own error types on a dead endpoint
         logger.debug("KV control message to a lost peer dropped: %r", e)

@@ -31,6 +31,7 @@ from .ucx_channel import (
     is_truncation,
     listen,
     release,
+    reserve_request_future,
     send_quietly,
     worker_address,
 )
@@ -210,6 +211,7 @@ class KVReceiver:
         if r.error is None:  # else failed before anything was posted: the slot is still clean
             r.slot = slot
             try:
+                reserve_request_future()
                 await slot.recv(r.buf, tag=r.tag, force_tag=True)
                 r.landed = r.consumed = True
             except Exception as e:  # cancelled by _fail(), the payload was too long, or the transport failed
@@ -270,6 +272,7 @@ class KVReceiver:
     async def _truncate(self, tag: int) -> None:
         """Match a payload we will not keep with a 1-byte receive: UCX drops it, the sender is released."""
         try:
+            reserve_request_future()
             await self._drain.recv(np.empty(1, np.uint8), tag=tag, force_tag=True)
         except Exception as e:  # truncation is the expected outcome; a closed receiver cancels it
             logger.debug("refused payload drained: %r", e)

@@ -23,6 +23,7 @@ from .ucx_channel import (
     connect_bulk,
     connect_control,
     release,
+    reserve_request_future,
     send_quietly,
 )
 from .wire import MSG_SIZE, Kind, Msg, PeerAddress, Trailer, TransferError
@@ -182,6 +183,7 @@ async def _before(deadline: float, aw: Awaitable[T]) -> T:
 
 async def _send_payload(bulk: Endpoint, buf, tag: int) -> None:
     try:
+        reserve_request_future()
         await bulk.send(buf, tag=tag, force_tag=True)
     except Exception as e:  # the receiver's verdict decides the transfer; this only explains it
         logger.warning("KV payload send failed: %r", e)

@@ -311,6 +311,25 @@ def test_stale_push_address_never_lands_in_a_reexpected_room():
     run(body)
 
 
+def test_burst_of_rooms_lands_without_ucxx_warnings(capfd):
+    """A hundred and fifty rooms at once: each posts a receive, each send posts two requests. ucxx would
+    print "No Futures available" on stdout (breaking the sender's JSON lines too) unless its pool is kept full."""
+    rooms = range(1000, 1150)
+
+    async def body(rx: KVReceiver) -> None:
+        into = {room: torch.zeros(64 << 10, dtype=torch.uint8) for room in rooms}
+        futures = [rx.expect(room, 64 << 10, into[room], deadline_s=60) for room in rooms]
+        sender = await Sender.spawn(rx, [[{"room": room, "nbytes": 64 << 10} for room in rooms]])
+        trailers = await asyncio.gather(*futures)
+        assert [t.first_token for t in trailers] == [room % 1000 for room in rooms]
+        reports, rc = await sender.finish()  # every line must parse as JSON
+        assert rc == 0 and all(by_room(reports)[room]["ok"] for room in rooms)
+        assert all(sha(into[r], 64 << 10) == by_room(reports)[r]["sha256"] for r in rooms)
+
+    run(body)
+    assert "UCXX WARN" not in capfd.readouterr().out
+
+
 def test_non_contiguous_buffer_is_refused():
     async def body(rx: KVReceiver) -> None:
         with pytest.raises(ValueError, match="contiguous"):
