@@ -5,10 +5,8 @@ transfer on a decode worker) -> extend (prompt tokens not in cache, computed loc
 batch). Retracted requests wait in their own queue and block new admissions until they are back.
 The model forward runs on a dedicated thread so HTTP and UCX progress never stall behind it.
 
-With L3 storage, the first few requests in prealloc look up what the store holds past their L1 + L2 hit and
-prefetch it into L2 while they wait (``StorageFetch``). The head of the queue waits for its prefetch as the
-prefetch policy says (best_effort: not at all), then the pages that arrived join the tree as host-only nodes
-and admission proceeds as usual: the L2->L1 load-back restores them with the rest of the prefix.
+With L3 storage, the first few requests in prealloc prefetch what the store holds into L2 while they wait
+(``storage_lookahead.py``); the head of the queue is admitted once its prefetch settled.
 
 Page ownership of a request: its cache handle locks the matched prefix (pages the tree owns); after the
 load-back the request owns the remaining pages of ``seq.pages``. With the radix cache on, the full pages a request
@@ -19,10 +17,9 @@ computed (an extend step) or received (PD) join the tree at once and its handle 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,10 +28,10 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache, LoadHandle
 from decode_worker.cache.pool import OutOfPages
-from decode_worker.cache.storage.tier import Prefetch
 from decode_worker.engine.request import GenerateInput, RequestError, RequestStream, TokenEvent
 from decode_worker.engine.sampling import make_generator, sample
 from decode_worker.engine.sequence import Sequence, check_finish, check_fits
+from decode_worker.engine.storage_lookahead import StorageFetch, StorageLookahead
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
 
@@ -43,23 +40,6 @@ log = logging.getLogger(__name__)
 # A decode worker's source of prompt KV: receives tokens [prefix, prompt_len) into the given pages and
 # returns prefill's first token and its logprob. Raises RequestError (with the failure reason) on failure.
 KVSource = Callable[["Req", torch.Tensor], Awaitable[tuple[int, float]]]
-
-STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
-
-
-@dataclass(eq=False)
-class StorageFetch:
-    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it."""
-
-    key: list[int]  # the tokens the request matches with
-    from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
-    keys: list[str]
-    deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
-    task: asyncio.Task | None = None  # exists, then prefetch, then wait as the policy says
-    prefetch: Prefetch | None = None
-    host_pages: torch.Tensor | None = None
-    settled: bool = False
-
 
 @dataclass(eq=False)
 class Req:
@@ -106,9 +86,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.held: dict[str, Req] = {}  # prefill role: finished requests whose KV awaits hand-off
         self.requests: dict[str, Req] = {}
-        self.storage = cache.storage
-        self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
         self._wakeup = asyncio.Event()
+        self.lookahead = StorageLookahead(cache, self.page_size, self._match_key, self._wakeup) if cache.storage else None
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -202,7 +181,8 @@ class Scheduler:
     async def _step(self) -> bool:
         self._reap_aborted()
         self.cache.poll()
-        self._start_fetches()
+        if self.lookahead is not None:
+            self.lookahead.start(self.prealloc)
         self._admit()
         self._check_loading()
         worked = False
@@ -223,7 +203,7 @@ class Scheduler:
             if not queue or len(self.running) + len(self.extend) + len(self.loading) >= self.max_running:
                 return
             req = queue[0]
-            if not self._storage_settled(req):
+            if self.lookahead is not None and not self.lookahead.settled(req):
                 return  # the head waits for its prefetch as its policy says; FIFO, so the rest wait behind it
             if not self._try_alloc(req):
                 return
@@ -264,82 +244,6 @@ class Scheduler:
         if pd_fresh:
             req.transfer = asyncio.get_running_loop().create_task(self.kv_source(req, req.handle.delta_pages))
         return True
-
-    # ---- L3 storage -------------------------------------------------------------------------------------------
-
-    def _start_fetches(self) -> None:
-        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait."""
-        if self.storage is None:
-            return
-        for req in itertools.islice(self.prealloc, STORAGE_LOOKAHEAD):
-            if req.fetch is None and not req.seq.output_ids and req.aborted is None:
-                self._start_fetch(req, defer=True)
-
-    def _start_fetch(self, req: Req, defer: bool) -> None:
-        """Start the request's L3 lookup for the pages past its L1 + L2 hit. With ``defer``, a request whose next
-        page an earlier request is already fetching starts nothing: it looks again once that one settled."""
-        key = self._match_key(req)
-        match = self.cache.match(key)
-        keys = self.cache.storage_keys(match)
-        if defer and keys and self._fetching[keys[0]]:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.storage.prefetch_deadline_s(len(keys) * self.page_size)
-        req.fetch = fetch = StorageFetch(key, match.hit_tokens // self.page_size, keys, deadline)
-        if keys:
-            self._fetching.update(keys)
-            fetch.task = loop.create_task(self._fetch(fetch))
-
-    async def _fetch(self, fetch: StorageFetch) -> None:
-        """Ask the store how much of the prefix it holds, start moving that into L2, and wait as the policy says
-        (best_effort: not at all; the prefetch goes on until the request is admitted)."""
-        waits = self.storage.policy.name != "best_effort"
-        try:
-            async with asyncio.timeout_at(fetch.deadline if waits else None):
-                found = await self.storage.exists(fetch.keys)
-                fetch.host_pages = self.cache.alloc_host(found) if found else None
-                if fetch.host_pages is not None:
-                    fetch.prefetch = self.storage.start_prefetch(fetch.keys[:found], self.cache.host_pool,
-                                                                 fetch.host_pages)
-                    if waits:
-                        await fetch.prefetch.wait(None)
-        except TimeoutError:
-            pass  # past the policy's deadline: the request proceeds with the pages that arrived
-        finally:
-            self._wakeup.set()
-
-    def _storage_settled(self, req: Req) -> bool:
-        """True once the request is done with L3: its prefetch stopped and the pages that arrived are in the tree."""
-        if self.storage is None or req.seq.output_ids:
-            return True
-        if req.fetch is None:
-            self._start_fetch(req, defer=False)
-        fetch = req.fetch
-        if not fetch.settled:
-            if self.storage.policy.name != "best_effort" and fetch.task is not None and not fetch.task.done():
-                return False
-            self._settle_fetch(req, insert=True)
-        return True
-
-    def _settle_fetch(self, req: Req, insert: bool) -> None:
-        """Stop the request's prefetch; attach the pages that arrived (``insert``) and free every other L2 page."""
-        fetch = req.fetch
-        if fetch is None or fetch.settled:
-            return
-        fetch.settled = True
-        for key in fetch.keys:
-            self._fetching[key] -= 1
-            if not self._fetching[key]:
-                del self._fetching[key]
-        if fetch.task is not None:
-            fetch.task.cancel()
-        pages, fetch.host_pages = fetch.host_pages, None
-        if pages is None:
-            return
-        arrived = fetch.prefetch.stop() if fetch.prefetch is not None else 0
-        if insert and arrived:
-            req.storage_span = self.cache.insert_host(fetch.key, pages[:arrived], fetch.from_page)
-        self.cache.free_host(pages[arrived if insert else 0 :])
 
     def _check_loading(self) -> None:
         now = time.monotonic()
@@ -514,7 +418,8 @@ class Scheduler:
         self._close(req, "ok")
 
     def _fail(self, req: Req, error: RequestError) -> None:
-        self._settle_fetch(req, insert=False)
+        if self.lookahead is not None:
+            self.lookahead.settle(req, insert=False)
         for queue in (self.prealloc, self.retracted, self.extend):
             if req in queue:
                 queue.remove(req)

@@ -1,0 +1,124 @@
+"""L3 lookahead: the first queued requests look up what the store holds past their L1 + L2 hit and prefetch it
+into L2 while they wait.
+
+The head of the queue waits for its prefetch as the prefetch policy says (best_effort: not at all); then the
+pages that arrived join the tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back
+restores them with the rest of the prefix.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.storage.tier import Prefetch
+
+if TYPE_CHECKING:
+    from decode_worker.engine.scheduler import Req
+
+STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
+
+
+@dataclass(eq=False)
+class StorageFetch:
+    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it."""
+
+    key: list[int]  # the tokens the request matches with
+    from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
+    keys: list[str]
+    deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
+    task: asyncio.Task | None = None  # exists, then prefetch, then wait as the policy says
+    prefetch: Prefetch | None = None
+    host_pages: torch.Tensor | None = None
+    settled: bool = False
+
+
+class StorageLookahead:
+    """The scheduler's L3 side. ``wakeup`` is set whenever a lookup or prefetch makes progress."""
+
+    def __init__(self, cache: HierarchicalCache, page_size: int, match_key: Callable[[Req], list[int]],
+                 wakeup: asyncio.Event):
+        self.cache = cache
+        self.storage = cache.storage
+        self.page_size = page_size
+        self.match_key = match_key  # the tokens whose cached KV a request can use
+        self.wakeup = wakeup
+        self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
+
+    def start(self, queue: Iterable[Req]) -> None:
+        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait."""
+        for req in itertools.islice(queue, STORAGE_LOOKAHEAD):
+            if req.fetch is None and not req.seq.output_ids and req.aborted is None:
+                self._start_fetch(req, defer=True)
+
+    def _start_fetch(self, req: Req, defer: bool) -> None:
+        """Start the request's L3 lookup for the pages past its L1 + L2 hit. With ``defer``, a request whose next
+        page an earlier request is already fetching starts nothing: it looks again once that one settled."""
+        key = self.match_key(req)
+        match = self.cache.match(key)
+        keys = self.cache.storage_keys(match)
+        if defer and keys and self._fetching[keys[0]]:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.storage.prefetch_deadline_s(len(keys) * self.page_size)
+        req.fetch = fetch = StorageFetch(key, match.hit_tokens // self.page_size, keys, deadline)
+        if keys:
+            self._fetching.update(keys)
+            fetch.task = loop.create_task(self._fetch(fetch))
+
+    async def _fetch(self, fetch: StorageFetch) -> None:
+        """Ask the store how much of the prefix it holds, start moving that into L2, and wait as the policy says
+        (best_effort: not at all; the prefetch goes on until the request is admitted)."""
+        waits = self.storage.policy.name != "best_effort"
+        try:
+            async with asyncio.timeout_at(fetch.deadline if waits else None):
+                found = await self.storage.exists(fetch.keys)
+                fetch.host_pages = self.cache.alloc_host(found) if found else None
+                if fetch.host_pages is not None:
+                    fetch.prefetch = self.storage.start_prefetch(fetch.keys[:found], self.cache.host_pool,
+                                                                 fetch.host_pages)
+                    if waits:
+                        await fetch.prefetch.wait(None)
+        except TimeoutError:
+            pass  # past the policy's deadline: the request proceeds with the pages that arrived
+        finally:
+            self.wakeup.set()
+
+    def settled(self, req: Req) -> bool:
+        """True once the request is done with L3: its prefetch stopped and the pages that arrived are in the tree."""
+        if req.seq.output_ids:
+            return True
+        if req.fetch is None:
+            self._start_fetch(req, defer=False)
+        fetch = req.fetch
+        if not fetch.settled:
+            if self.storage.policy.name != "best_effort" and fetch.task is not None and not fetch.task.done():
+                return False
+            self.settle(req, insert=True)
+        return True
+
+    def settle(self, req: Req, insert: bool) -> None:
+        """Stop the request's prefetch; attach the pages that arrived (``insert``) and free every other L2 page."""
+        fetch = req.fetch
+        if fetch is None or fetch.settled:
+            return
+        fetch.settled = True
+        for key in fetch.keys:
+            self._fetching[key] -= 1
+            if not self._fetching[key]:
+                del self._fetching[key]
+        if fetch.task is not None:
+            fetch.task.cancel()
+        pages, fetch.host_pages = fetch.host_pages, None
+        if pages is None:
+            return
+        arrived = fetch.prefetch.stop() if fetch.prefetch is not None else 0
+        if insert and arrived:
+            req.storage_span = self.cache.insert_host(fetch.key, pages[:arrived], fetch.from_page)
+        self.cache.free_host(pages[arrived if insert else 0 :])
