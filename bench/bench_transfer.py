@@ -166,10 +166,13 @@ def main() -> None:
         uvloop.run(send(args))
         return
     stop = threading.Event()
+    busy = threading.Thread(target=busy_loop, args=(stop,), daemon=True)
     if args.busy:
-        threading.Thread(target=busy_loop, args=(stop,), daemon=True).start()
+        busy.start()
     times = uvloop.run(receive(args))
     stop.set()
+    if args.busy:
+        busy.join()  # a torch op cut off by interpreter exit aborts the process
     result = {"bench": "kv_transfer", "progress_mode": args.progress_mode, "busy": args.busy, "reps": args.reps,
               "ucx": "first send() until the receiver holds every byte (delivered) / the sender got DONE (acked)",
               "memcpy": "torch copy_, 1 thread", "cma": "one process_vm_readv, the transport's ceiling",
