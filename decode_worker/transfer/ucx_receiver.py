@@ -165,6 +165,7 @@ class KVReceiver:
         try:
             while True:
                 buf = bytearray(MSG_SIZE)
+                reserve_request_future()
                 await ep.recv(buf)
                 self._on_message(peer, Msg.unpack(buf))
         except Exception as e:  # ucxx raises its own error types when the peer closes or dies

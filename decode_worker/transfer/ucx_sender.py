@@ -152,6 +152,7 @@ class KVSender:
         try:
             while True:
                 buf = bytearray(MSG_SIZE)
+                reserve_request_future()
                 await link.ctrl.recv(buf)
                 msg = Msg.unpack(buf)
                 if (inbox := link.inboxes.get(msg.xfer)) is not None:
