@@ -100,6 +100,13 @@ def run(cache, dev, tokens, backup: bool = False) -> int:
     return finish(cache, dev, tokens, start(cache, tokens), backup)
 
 
+def only_on_host(cache, dev, tokens) -> None:
+    """Cache ``tokens``, let the L2 backup land, then evict them from L1: only the host copy remains."""
+    run(cache, dev, tokens)
+    cache.drain()
+    cache.evict_device(100)
+
+
 def assert_quiescent(cache: HierarchicalCache) -> None:
     cache.drain()
     cache.check_invariants(request_pages=0)
@@ -157,9 +164,7 @@ def test_no_hit_then_failure(hc):
 
 def test_host_hit_aborted_while_loading(hc):
     cache, dev, host = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     cache.engine.gate.clear()
     h = start(cache, PROMPT + (3,))
     assert h.restored_tokens == 10 and not h.ready()
@@ -173,9 +178,7 @@ def test_host_hit_aborted_while_loading(hc):
 
 def test_load_back_wait_past_its_deadline(hc):
     cache, dev, host = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     cache.engine.gate.clear()
     h = start(cache, PROMPT)
 
@@ -275,9 +278,7 @@ def test_split_keeps_total_size_and_page_alignment(hc):
 
 def test_load_back_restores_only_the_matched_part_of_a_node(hc):
     cache, dev, host = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     h = start(cache, PROMPT[:6] + (4, 4))
     assert h.restored_tokens == 6 and h.prefix_tokens == 6
     asyncio.run(h.wait())
@@ -320,9 +321,7 @@ def test_insert_frees_duplicates_and_keeps_partial_page_with_caller(hc):
 
 def test_insert_stops_at_a_node_still_loading(hc):
     cache, dev, _ = hc(device_pages=20)
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     cache.engine.gate.clear()
     h = start(cache, PROMPT)  # node is being restored
     pages = cache.alloc_device(7)
@@ -394,9 +393,7 @@ def test_cache_in_flight_revives_a_host_only_node(hc):
     cache, dev, _ = hc(device_pages=16)
     tokens = PROMPT + (3,)
     h = start(cache, tokens)  # admitted before the prompt was cached
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     node = node_of(cache, PROMPT)
     host = node.host_indices.clone()
     pages = computed(cache, dev, tokens, h)
@@ -513,9 +510,7 @@ def test_eviction_tiers(hc):
 
 def test_reinserting_an_evicted_node_keeps_its_host_copy(hc):
     cache, dev, host = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     old_host = node_of(cache, PROMPT).host_indices.clone()
     backed = cache.counters.backed_up
     pages = cache.alloc_device(5)
@@ -591,9 +586,7 @@ def test_flush_keeps_locked_paths(hc):
 
 def test_stats_counters(hc):
     cache, dev, _ = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     run(cache, dev, PROMPT + (1, 1))
     run(cache, dev, PROMPT + (1, 1))
     cache.drain()
@@ -607,9 +600,7 @@ def test_stats_counters(hc):
 
 def test_failed_load_back_reverts_and_balances(hc):
     cache, dev, host = hc()
-    run(cache, dev, PROMPT)
-    cache.drain()
-    cache.evict_device(100)
+    only_on_host(cache, dev, PROMPT)
     cache.engine.fail_next = 1
     h = start(cache, PROMPT + (1,))
     with pytest.raises(LoadBackError):
