@@ -96,7 +96,7 @@ def close_endpoint(ep: Endpoint | None) -> None:
         ep.abort(period=CLOSE_PERIOD_NS)
 
 
-def reserve_request_future() -> None:
+def _reserve_request_future() -> None:
     """Top up ucxx's pool of completion futures before posting a request.
 
     Its notifier thread refills the pool only when it wakes, so a burst of posted receives (one per expected
@@ -104,6 +104,19 @@ def reserve_request_future() -> None:
     for every further request. A top-up that finds the pool full costs ~0.1 us.
     """
     ucxx.core._get_ctx().worker.populate_python_futures_pool()  # no public accessor; ucxx is pinned for this
+
+
+async def send(ep: Endpoint, buf, tag: int | None = None) -> None:
+    """Post a send on ``ep`` (under exactly ``tag`` when given) and wait for it; every send goes through here."""
+    _reserve_request_future()
+    await (ep.send(buf) if tag is None else ep.send(buf, tag=tag, force_tag=True))
+
+
+async def recv(ep: Endpoint, buf, tag: int | None = None) -> None:
+    """Post a receive on ``ep`` (matching exactly ``tag`` when given) and wait for it; every receive goes
+    through here."""
+    _reserve_request_future()
+    await (ep.recv(buf) if tag is None else ep.recv(buf, tag=tag, force_tag=True))
 
 
 def is_truncation(e: Exception) -> bool:
@@ -114,8 +127,7 @@ def is_truncation(e: Exception) -> bool:
 async def send_quietly(ep: Endpoint, data: bytes) -> None:
     """Send a control message to a peer that may be gone; its loss is noticed by our receive loop."""
     try:
-        reserve_request_future()
-        await ep.send(data)
+        await send(ep, data)
     except Exception as e:  # ucxx raises its own error types on a dead endpoint
         logger.debug("KV control message to a lost peer dropped: %r", e)
 

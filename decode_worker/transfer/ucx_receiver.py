@@ -30,8 +30,8 @@ from .ucx_channel import (
     connect_bulk,
     is_truncation,
     listen,
+    recv,
     release,
-    reserve_request_future,
     send_quietly,
     worker_address,
 )
@@ -165,8 +165,7 @@ class KVReceiver:
         try:
             while True:
                 buf = bytearray(MSG_SIZE)
-                reserve_request_future()
-                await ep.recv(buf)
+                await recv(ep, buf)
                 self._on_message(peer, Msg.unpack(buf))
         except Exception as e:  # ucxx raises its own error types when the peer closes or dies
             logger.debug("KV sender connection ended: %r", e)
@@ -212,8 +211,7 @@ class KVReceiver:
         if r.error is None:  # else failed before anything was posted: the slot is still clean
             r.slot = slot
             try:
-                reserve_request_future()
-                await slot.recv(r.buf, tag=r.tag, force_tag=True)
+                await recv(slot, r.buf, r.tag)
                 r.landed = r.consumed = True
             except Exception as e:  # cancelled by _fail(), the payload was too long, or the transport failed
                 r.consumed = is_truncation(e)
@@ -273,8 +271,7 @@ class KVReceiver:
     async def _truncate(self, tag: int) -> None:
         """Match a payload we will not keep with a 1-byte receive: UCX drops it, the sender is released."""
         try:
-            reserve_request_future()
-            await self._drain.recv(np.empty(1, np.uint8), tag=tag, force_tag=True)
+            await recv(self._drain, np.empty(1, np.uint8), tag)
         except Exception as e:  # truncation is the expected outcome; a closed receiver cancels it
             logger.debug("refused payload drained: %r", e)
 

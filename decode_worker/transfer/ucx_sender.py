@@ -22,8 +22,9 @@ from .ucx_channel import (
     close_endpoint,
     connect_bulk,
     connect_control,
+    recv,
     release,
-    reserve_request_future,
+    send,
     send_quietly,
 )
 from .wire import MSG_SIZE, Kind, Msg, PeerAddress, Trailer, TransferError
@@ -152,8 +153,7 @@ class KVSender:
         try:
             while True:
                 buf = bytearray(MSG_SIZE)
-                reserve_request_future()
-                await link.ctrl.recv(buf)
+                await recv(link.ctrl, buf)
                 msg = Msg.unpack(buf)
                 if (inbox := link.inboxes.get(msg.xfer)) is not None:
                     inbox.put_nowait(msg)
@@ -184,8 +184,7 @@ async def _before(deadline: float, aw: Awaitable[T]) -> T:
 
 async def _send_payload(bulk: Endpoint, buf, tag: int) -> None:
     try:
-        reserve_request_future()
-        await bulk.send(buf, tag=tag, force_tag=True)
+        await send(bulk, buf, tag)
     except Exception as e:  # the receiver's verdict decides the transfer; this only explains it
         logger.warning("KV payload send failed: %r", e)
 
