@@ -8,8 +8,10 @@ monotonic clock both processes share:
   process (what a decode request waits for);
 - acked: the sender got the receiver's DONE (when prefill may free its copy; one more control hop).
 
-The memcpy baseline is ``torch`` ``copy_`` of the same bytes within the sender process, one sample after
-each timed step, so both see the same machine (absolute speeds on a shared machine drift by 2-3x within
+Payloads and receive buffers are huge-page host buffers (``cache/host_memory.py``), as the staging pools
+on both sides of PD lend them. The memcpy baseline is ``torch`` ``copy_`` of the same bytes between two
+such buffers within the sender process (``memcpy_4k_pages_gbps``: the same copy between plain torch
+tensors, for reference), one sample after each timed step, so both see the same machine (absolute speeds on a shared machine drift by 2-3x within
 minutes; the ratio is what to compare). It runs on one thread: the CMA copy UCX does here is one thread
 too, and torch's two-thread copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s).
 
@@ -46,6 +48,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from decode_worker.cache.host_memory import host_buffer  # noqa: E402
 from decode_worker.transfer import ucx_channel  # noqa: E402
 from decode_worker.transfer.ucx_receiver import KVReceiver  # noqa: E402
 from decode_worker.transfer.ucx_sender import KVSender  # noqa: E402
@@ -78,8 +81,8 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
     sender = subprocess.Popen([sys.executable, __file__, "--role", "sender", "--reps", str(args.reps),
                                "--progress-mode", args.progress_mode],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "cma": {}}
-    sinks = {mb << 20: [torch.ones(mb << 20, dtype=torch.uint8) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
+    times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "memcpy_4k_pages": {}, "cma": {}}
+    sinks = {mb << 20: [host_buffer(mb << 20).fill_(1) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
     for group in plan(args.reps):
         settled: dict[int, float] = {}
         futures, addresses = [], {}
@@ -96,11 +99,12 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
         n = group[0][1]
         if group[0][0] == "serial":
             times["cma"][n] = [cma_read(report["pid"], report["payload"], sinks[n][0], n) for _ in range(args.reps)]
-        for (kind, n, rooms), (t0, acked, copy) in zip(group, report["steps"], strict=True):
+        for (kind, n, rooms), (t0, acked, copy, plain_copy) in zip(group, report["steps"], strict=True):
             if kind != "warmup":
                 times["acked"].setdefault(kind, {}).setdefault(n, []).append(acked - t0)
                 times["delivered"].setdefault(kind, {}).setdefault(n, []).append(max(settled[r] for r in rooms) - t0)
                 times["memcpy"].setdefault(n, []).append(copy)
+                times["memcpy_4k_pages"].setdefault(n, []).append(plain_copy)
     sender.stdin.close()
     await asyncio.to_thread(sender.wait)
     await rx.close()
@@ -110,22 +114,26 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
 
 
 async def send(args: argparse.Namespace) -> None:
-    """Per group print (start, last DONE, memcpy seconds) per step, the clock starting at the first send(),
+    """Per group print (start, last DONE, memcpy seconds, plain-pages memcpy seconds) per step, the clock starting at the first send(),
     then wait for the next group's addresses with the payload in place, for the receiver's CMA reads."""
     torch.set_num_threads(1)
     tx = await KVSender.start()
-    payloads = {mb << 20: torch.randint(0, 256, (mb << 20,), dtype=torch.uint8) for mb in SIZES_MB}
-    scratches = {n: torch.ones_like(p) for n, p in payloads.items()}
+    payloads = {mb << 20: host_buffer(mb << 20).copy_(torch.randint(0, 256, (mb << 20,), dtype=torch.uint8))
+                for mb in SIZES_MB}
+    scratches = {n: host_buffer(n).fill_(1) for n in payloads}
+    plain = {n: (p.clone(), torch.ones_like(p)) for n, p in payloads.items()}  # torch's own 4 KB-page tensors
     for group in plan(args.reps):
         addresses = {int(room): base64.b64decode(a) for room, a in json.loads(sys.stdin.readline()).items()}
-        payload, scratch = payloads[group[0][1]], scratches[group[0][1]]
+        payload, scratch, (plain_src, plain_dst) = payloads[group[0][1]], scratches[group[0][1]], plain[group[0][1]]
         steps = []
         for _, _, rooms in group:
             t0 = time.perf_counter()
             await asyncio.gather(*(tx.send(addresses[r], r, payload, Trailer(r), deadline_s=60) for r in rooms))
             t1 = time.perf_counter()
             scratch.copy_(payload)
-            steps.append((t0, t1, time.perf_counter() - t1))
+            t2 = time.perf_counter()
+            plain_dst.copy_(plain_src)
+            steps.append((t0, t1, t2 - t1, time.perf_counter() - t2))
         print(json.dumps({"steps": steps, "pid": os.getpid(), "payload": payload.data_ptr()}), flush=True)
     await tx.close()
 
@@ -175,13 +183,14 @@ def main() -> None:
         busy.join()  # a torch op cut off by interpreter exit aborts the process
     result = {"bench": "kv_transfer", "progress_mode": args.progress_mode, "busy": args.busy, "reps": args.reps,
               "ucx": "first send() until the receiver holds every byte (delivered) / the sender got DONE (acked)",
-              "memcpy": "torch copy_, 1 thread", "cma": "one process_vm_readv, the transport's ceiling",
+              "memcpy": "torch copy_, 1 thread, huge-page buffers as staged", "cma": "one process_vm_readv, the transport's ceiling",
               "stat": "median", "ratio": "delivered / memcpy"}
     for mb in SIZES_MB:
         n = mb << 20
         copy = n / statistics.median(times["memcpy"][n]) / 1e9
         cma = n / statistics.median(times["cma"][n]) / 1e9
-        row = {"memcpy_gbps": round(copy, 2), "cma_gbps": round(cma, 2), "cma_ratio": round(cma / copy, 2)}
+        plain_copy = n / statistics.median(times["memcpy_4k_pages"][n]) / 1e9
+        row = {"memcpy_gbps": round(copy, 2), "memcpy_4k_pages_gbps": round(plain_copy, 2), "cma_gbps": round(cma, 2), "cma_ratio": round(cma / copy, 2)}
         for end in ("delivered", "acked"):
             for kind, width in (("serial", 1), ("concurrent", IN_FLIGHT)):
                 gbps = width * n / statistics.median(times[end][kind][n]) / 1e9

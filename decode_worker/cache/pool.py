@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import host_buffer
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -58,7 +60,10 @@ class KVPool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         shape = (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        self.buffer = torch.zeros(shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
+        if self.device.type == "cpu" and not pin_memory:  # pinned memory is the driver's to allocate
+            self.buffer = host_buffer(num_pages * layout.page_bytes).view(layout.dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
 
     @property
     def page_size(self) -> int:

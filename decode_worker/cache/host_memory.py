@@ -1,0 +1,33 @@
+"""Host memory for large KV buffers (CPU pools, transfer staging), backed by transparent huge pages.
+
+Linux here gives huge pages only to memory that asks for them (``transparent_hugepage=madvise``), and torch's
+allocator does not ask. With 4 KB pages, every copy that crosses processes (UCX's shared-memory rendezvous:
+one ``process_vm_readv`` per payload) walks and pins page by page: 6-8 GB/s for 16-64 MB here, against
+12-14 GB/s between huge-page buffers. Copies within a process gain too (memcpy 10-12 -> 11-20 GB/s).
+"""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled flat uint8 tensor of ``nbytes`` in host memory, on huge pages where the kernel has them.
+
+    The memory is an anonymous private mapping, aligned to a huge page and advised ``MADV_HUGEPAGE``; like
+    ``torch.zeros`` it is only committed when touched, and freed with the last tensor viewing it.
+    Small buffers, or kernels without transparent huge pages, get ordinary pages.
+    """
+    if nbytes < HUGE_PAGE:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP in this kernel: ordinary pages work the same, only slower
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping alive as long as any view does
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
