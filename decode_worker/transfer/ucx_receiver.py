@@ -253,15 +253,14 @@ class KVReceiver:
         r.timer.cancel()
         if r.error is not None and r.consumed and r.offer is None:
             self._consumed_early[r.tag] = r.error.reason  # its late OFFER is told why, and nothing is drained
+        if not r.result.done():  # first, so the waiting request resumes before the verdict's send is posted
+            if r.error is None:
+                r.result.set_result(r.offer.trailer)
+            else:
+                r.result.set_exception(r.error)
         if r.peer is not None:
             r.peer.rooms.discard(r.room)
             self._reply(r.peer, r.offer, Kind.REJECT if r.error else Kind.DONE, r.error.reason if r.error else "")
-        if r.result.done():
-            return
-        if r.error is None:
-            r.result.set_result(r.offer.trailer)
-        else:
-            r.result.set_exception(r.error)
 
     def _refuse(self, peer: _Peer, offer: Msg, reason: str) -> None:
         self._reply(peer, offer, Kind.REJECT, reason)
