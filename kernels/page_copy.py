@@ -6,6 +6,8 @@ Copies within one CUDA device use one Triton launch for all layers; copies acros
 """
 from __future__ import annotations
 
+from math import prod
+
 import torch
 
 try:
@@ -17,22 +19,46 @@ except ImportError:  # CPU-only installs: the torch reference serves every call
 _BLOCK = 1024  # elements per Triton program; a page of one layer's K or V is split into such chunks
 
 
+_ROW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _page_rows(buffer: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer as ``[layer * 2 * pages, page_block]``, one row per page of one layer's K or V, in the
+    widest element type its rows allow: torch's index ops copy element by element, so moving 16-byte elements
+    instead of 2-byte ones scatters twice as fast on CPU (bf16: 4.8 -> 9 GB/s here). Only bits move, never
+    values, so any element type serves."""
+    if not buffer.is_contiguous():
+        raise ValueError("page moves need contiguous KV buffers (pools and staging blobs are)")
+    row_bytes = prod(buffer.shape[3:]) * buffer.element_size()
+    rows = buffer.view(torch.uint8).view(buffer.shape[0] * buffer.shape[1] * buffer.shape[2], row_bytes)
+    for dtype in _ROW_DTYPES:
+        size = dtype.itemsize
+        if rows.shape[1] % size == 0 and rows.data_ptr() % size == 0:
+            return rows.view(dtype)
+    raise AssertionError("uint8 always fits")
+
+
+def _row_index(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Rows of ``_page_rows(buffer)`` holding ``pages``, layer by layer, K then V: a staging blob's row order."""
+    blocks = torch.arange(buffer.shape[0] * buffer.shape[1], device=buffer.device) * buffer.shape[2]
+    return (blocks[:, None] + pages.to(buffer.device, torch.int64)[None, :]).reshape(-1)
+
+
 def copy_pages_reference(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
     """dst[:, :, dst_pages] = src[:, :, src_pages], across devices if needed."""
     if src_pages.numel() != dst_pages.numel():
         raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
     if src_pages.numel() == 0:
         return
-    pages = src.index_select(2, src_pages.to(src.device, torch.int64))
-    # Only host->device may be asynchronous: a non-blocking device->host copy lands in pinned memory that the
-    # CPU index_copy_ below would read before the transfer finished.
-    dst.index_copy_(2, dst_pages.to(dst.device, torch.int64), pages.to(dst.device, non_blocking=dst.is_cuda))
+    scatter_pages_reference(gather_pages_reference(src, src_pages), dst, dst_pages)
 
 
 def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """buffer[:, :, pages] as a contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor (``out`` if given)."""
-    pages = pages.to(buffer.device, torch.int64)
-    return buffer.index_select(2, pages) if out is None else torch.index_select(buffer, 2, pages, out=out)
+    if out is None:
+        out = buffer.new_empty((*buffer.shape[:2], pages.numel(), *buffer.shape[3:]))
+    torch.index_select(_page_rows(buffer), 0, _row_index(buffer, pages), out=_page_rows(out))
+    return out
 
 
 def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
@@ -41,7 +67,10 @@ def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: 
         raise ValueError(f"page count mismatch: staging holds {staging.shape[2]} pages, {pages.numel()} targets")
     if pages.numel() == 0:
         return
-    buffer.index_copy_(2, pages.to(buffer.device, torch.int64), staging.to(buffer.device, non_blocking=buffer.is_cuda))
+    # Only host->device may be asynchronous: a non-blocking device->host copy lands in pinned memory that the
+    # CPU index_copy_ below would read before the transfer finished.
+    staging = staging.to(buffer.device, non_blocking=buffer.is_cuda)
+    _page_rows(buffer).index_copy_(0, _row_index(buffer, pages), _page_rows(staging))
 
 
 if triton is not None:

@@ -161,6 +161,28 @@ def test_page_moves_reference_match_naive(shape):
     assert not target[:, :, untouched].any()
 
 
+@pytest.mark.parametrize("dtype,page_size,head_dim,row_dtype", [(torch.bfloat16, 4, 64, torch.complex128),
+                                                                (torch.float32, 1, 3, torch.int32),
+                                                                (torch.bfloat16, 1, 3, torch.int16)])
+def test_page_moves_copy_bits_whatever_the_row_element_type(dtype, page_size: int, head_dim: int, row_dtype):
+    """Pages move as rows of wide elements (see ``_page_rows``); every bit pattern, NaNs included, arrives unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 2, 7, page_size, 3, head_dim)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    src, dst = (torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape) for _ in range(2))
+    assert page_copy._page_rows(src).dtype == row_dtype
+    src_pages, dst_pages = torch.tensor([5, 0, 3]), torch.tensor([1, 6, 2])
+    want = dst.clone()
+    want[:, :, dst_pages] = src[:, :, src_pages]
+    staging = gather_pages(src, src_pages)
+    assert torch.equal(staging.view(torch.uint8), src[:, :, src_pages].contiguous().view(torch.uint8))
+    scatter_pages(staging, dst, dst_pages)
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+    copy_pages(src, dst, src_pages.flip(0), dst_pages)
+    want[:, :, dst_pages] = src[:, :, src_pages.flip(0)]
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_page_moves_reject_count_mismatch():
     src, dst, _ = make_page_buffers(*PAGE_SHAPES[0])
     with pytest.raises(ValueError):
