@@ -15,6 +15,12 @@ tensors, for reference), one sample after each timed step, so both see the same 
 minutes; the ratio is what to compare). It runs on one thread: the CMA copy UCX does here is one thread
 too, and torch's two-thread copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s).
 
+``pd_path`` rows time what a PD request waits for around the transfer too: prefill gathers the delta pages
+from its KV pool into a staging buffer (``gather_pages``, in a thread as ``prefill_side`` does), sends it,
+and decode scatters it into its own pool (``run_to_completion(scatter_pages)``, as ``decode_side`` does);
+from the gather's start to the scatter's end. Pools are huge-page host pools of 256 KB pages, the
+pages picked at random.
+
 ``fresh_buffer`` rows receive into a new, never-touched buffer each time, as the decode side did before it
 kept its staging buffers (``transfer/staging.py``): the same transfer, paying first-touch page faults.
 
@@ -49,26 +55,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from decode_worker.cache.host_memory import host_buffer  # noqa: E402
+from decode_worker.cache.pool import KVLayout, KVPool  # noqa: E402
 from decode_worker.transfer import ucx_channel  # noqa: E402
+from decode_worker.transfer.decode_side import run_to_completion  # noqa: E402
 from decode_worker.transfer.ucx_receiver import KVReceiver  # noqa: E402
 from decode_worker.transfer.ucx_sender import KVSender  # noqa: E402
 from decode_worker.transfer.wire import Trailer  # noqa: E402
+from decode_worker_kernels.page_copy import gather_pages, scatter_pages  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 WARMUP = 3
 IN_FLIGHT = 4
+LAYOUT = KVLayout("bench@0", num_layers=32, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+POOL_PAGES = 512  # 256 KB pages (LAYOUT.page_bytes): 128 MB per side
+
+
+def pd_pages(n: int, seed: int) -> torch.Tensor:
+    """The pool pages holding an ``n``-byte delta, scattered across the pool as a running cache leaves them."""
+    return torch.randperm(POOL_PAGES, generator=torch.Generator().manual_seed(seed))[:n // LAYOUT.page_bytes]
+
+
+def staged(buf: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``buf`` seen as the staging blob of ``pages``: ``[layer, 2, n, page_size, kv_heads, head_dim]``."""
+    return buf.view(LAYOUT.dtype).view(LAYOUT.num_layers, 2, pages.numel(), LAYOUT.page_size, LAYOUT.num_kv_heads,
+                                       LAYOUT.head_dim)
 
 
 def plan(reps: int) -> list[list[tuple[str, int, list[int]]]]:
     """Steps in sending order, one group per size and kind, as (kind, nbytes, rooms sent at once): a few warm-up
     transfers (wire-up, page faults), ``reps`` single transfers, ``reps`` groups of ``IN_FLIGHT``
-    concurrent ones, then ``reps`` single transfers into fresh buffers (what a transfer costs without the
-    staging pool: first-touch page faults)."""
+    concurrent ones, ``reps`` single transfers into fresh buffers (what a transfer costs without the
+    staging pool: first-touch page faults), then ``reps`` single PD paths (gather, transfer, scatter)."""
     rooms = itertools.count(1)
     return [[(kind, mb << 20, [next(rooms) for _ in range(width)]) for _ in range(count)]
             for mb in SIZES_MB
             for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT),
-                                       ("fresh", reps, 1))]
+                                       ("fresh", reps, 1), ("pd_path", reps, 1))]
 
 
 async def receive(args: argparse.Namespace) -> dict[str, dict]:
@@ -83,18 +105,28 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "memcpy_4k_pages": {}, "cma": {}}
     sinks = {mb << 20: [host_buffer(mb << 20).fill_(1) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
+    pool = KVPool(LAYOUT, POOL_PAGES)
+    pool.buffer.fill_(1)  # touched, as a running cache's pool is
+    settled: dict[int, float] = {}
+
+    async def deliver(room: int, received: asyncio.Future, sink: torch.Tensor, pd_path: bool) -> None:
+        await received
+        if pd_path:
+            pages = pd_pages(sink.numel(), 2 * room + 1)
+            await run_to_completion(scatter_pages, staged(sink, pages), pool.buffer, pages)
+        settled[room] = time.perf_counter()
+
     for group in plan(args.reps):
-        settled: dict[int, float] = {}
-        futures, addresses = [], {}
+        deliveries, addresses = [], {}
         for kind, n, rooms in group:
             for i, room in enumerate(rooms):
                 sink = torch.empty(n, dtype=torch.uint8) if kind == "fresh" else sinks[n][i]
-                futures.append(fut := rx.expect(room, n, sink, deadline_s=300))
-                fut.add_done_callback(lambda _, room=room: settled.__setitem__(room, time.perf_counter()))
+                received = rx.expect(room, n, sink, deadline_s=300)
+                deliveries.append(deliver(room, received, sink, kind == "pd_path"))
                 addresses[room] = base64.b64encode(rx.push_address(room)).decode()
         sender.stdin.write(json.dumps(addresses) + "\n")
         sender.stdin.flush()
-        await asyncio.gather(*futures)
+        await asyncio.gather(*deliveries)
         report = json.loads(await asyncio.to_thread(sender.stdout.readline))
         n = group[0][1]
         if group[0][0] == "serial":
@@ -122,13 +154,22 @@ async def send(args: argparse.Namespace) -> None:
                 for mb in SIZES_MB}
     scratches = {n: host_buffer(n).fill_(1) for n in payloads}
     plain = {n: (p.clone(), torch.ones_like(p)) for n, p in payloads.items()}  # torch's own 4 KB-page tensors
+    pool = KVPool(LAYOUT, POOL_PAGES)
+    pool.buffer.uniform_()
+
+    async def push(kind: str, room: int, payload: torch.Tensor) -> None:
+        if kind == "pd_path":
+            pages = pd_pages(payload.numel(), 2 * room)
+            await asyncio.to_thread(gather_pages, pool.buffer, pages, staged(payload, pages))
+        await tx.send(addresses[room], room, payload, Trailer(room), deadline_s=60)
+
     for group in plan(args.reps):
         addresses = {int(room): base64.b64decode(a) for room, a in json.loads(sys.stdin.readline()).items()}
         payload, scratch, (plain_src, plain_dst) = payloads[group[0][1]], scratches[group[0][1]], plain[group[0][1]]
         steps = []
-        for _, _, rooms in group:
+        for kind, _, rooms in group:
             t0 = time.perf_counter()
-            await asyncio.gather(*(tx.send(addresses[r], r, payload, Trailer(r), deadline_s=60) for r in rooms))
+            await asyncio.gather(*(push(kind, r, payload) for r in rooms))
             t1 = time.perf_counter()
             scratch.copy_(payload)
             t2 = time.perf_counter()
@@ -183,14 +224,17 @@ def main() -> None:
         busy.join()  # a torch op cut off by interpreter exit aborts the process
     result = {"bench": "kv_transfer", "progress_mode": args.progress_mode, "busy": args.busy, "reps": args.reps,
               "ucx": "first send() until the receiver holds every byte (delivered) / the sender got DONE (acked)",
-              "memcpy": "torch copy_, 1 thread, huge-page buffers as staged", "cma": "one process_vm_readv, the transport's ceiling",
+              "memcpy": "torch copy_, 1 thread, huge-page buffers as staged",
+              "cma": "one process_vm_readv, the transport's ceiling",
+              "pd_path": "prefill's gather until decode's scatter ended, pages at random in 256 KB-page pools",
               "stat": "median", "ratio": "delivered / memcpy"}
     for mb in SIZES_MB:
         n = mb << 20
         copy = n / statistics.median(times["memcpy"][n]) / 1e9
         cma = n / statistics.median(times["cma"][n]) / 1e9
         plain_copy = n / statistics.median(times["memcpy_4k_pages"][n]) / 1e9
-        row = {"memcpy_gbps": round(copy, 2), "memcpy_4k_pages_gbps": round(plain_copy, 2), "cma_gbps": round(cma, 2), "cma_ratio": round(cma / copy, 2)}
+        row = {"memcpy_gbps": round(copy, 2), "memcpy_4k_pages_gbps": round(plain_copy, 2), "cma_gbps": round(cma, 2),
+               "cma_ratio": round(cma / copy, 2)}
         for end in ("delivered", "acked"):
             for kind, width in (("serial", 1), ("concurrent", IN_FLIGHT)):
                 gbps = width * n / statistics.median(times[end][kind][n]) / 1e9
@@ -200,6 +244,10 @@ def main() -> None:
         fresh = n / statistics.median(times["delivered"]["fresh"][n]) / 1e9
         row["ucx_gbps_delivered_fresh_buffer"] = round(fresh, 2)
         row["ratio_delivered_fresh_buffer"] = round(fresh / copy, 2)
+        pd_path = statistics.median(times["delivered"]["pd_path"][n])
+        row["pd_path_ms"] = round(pd_path * 1e3, 2)
+        row["pd_path_gbps"] = round(n / pd_path / 1e9, 2)
+        row["ratio_pd_path"] = round(row["pd_path_gbps"] / copy, 2)
         row["ratio"] = row["ratio_delivered"]
         row["delivered_vs_cma"] = round(row["ucx_gbps_delivered"] / cma, 2)
         result[f"{mb}MB"] = row
