@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 DRAIN_S = 1.0
 """After a room fails mid-receive, how long a transfer already in flight may take to finish landing."""
+LATE_OFFER_S = 60.0
+"""How long a failed room whose payload came first waits for its OFFER; a sender that died meanwhile never sends it."""
 
 
 @dataclass(eq=False)
@@ -253,6 +255,7 @@ class KVReceiver:
         r.timer.cancel()
         if r.error is not None and r.consumed and r.offer is None:
             self._consumed_early[r.tag] = r.error.reason  # its late OFFER is told why, and nothing is drained
+            asyncio.get_running_loop().call_later(LATE_OFFER_S, self._consumed_early.pop, r.tag, None)
         if not r.result.done():  # first, so the waiting request resumes before the verdict's send is posted
             if r.error is None:
                 r.result.set_result(r.offer.trailer)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import uvloop
 
+from decode_worker.transfer import ucx_receiver
 from decode_worker.transfer.ucx_receiver import DRAIN_S, KVReceiver
 from decode_worker.transfer.wire import Trailer, TransferError
 
@@ -74,11 +75,11 @@ async def main():
             except Exception as e:
                 say(late_payload=repr(e))
         ucx_sender._send_payload = post_late
-    elif plan["mode"] == "offer_late":  # the payload goes at once, its OFFER half a second later
+    elif plan["mode"] == "offer_late":  # the payload goes at once, its OFFER later (half a second by default)
         quiet = ucx_sender.send_quietly
         async def offer_late(ep, data):
             if data[5] == 1:  # Kind.OFFER
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(plan.get("offer_delay", 0.5))
             await quiet(ep, data)
         ucx_sender.send_quietly = offer_late
     sender = await KVSender.start()
@@ -102,7 +103,8 @@ class Sender:
         self.spawned.append(proc)
 
     @classmethod
-    async def spawn(cls, rx: KVReceiver, batches: list[list[dict]], mode: str = "normal", fill: str = "random"):
+    async def spawn(cls, rx: KVReceiver, batches: list[list[dict]], mode: str = "normal", fill: str = "random",
+                    **options):
         """Each transfer goes to the push address of its room, which must be expected by now."""
         for t in (t for batch in batches for t in batch):
             t.setdefault("address", base64.b64encode(rx.push_address(t["room"])).decode())
@@ -110,7 +112,7 @@ class Sender:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", SENDER, cwd=ROOT, env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        plan = {"batches": batches, "mode": mode, "fill": fill}
+        plan = {"batches": batches, "mode": mode, "fill": fill, **options}
         proc.stdin.write(json.dumps(plan).encode() + b"\n")
         await proc.stdin.drain()
         return cls(proc)
@@ -285,6 +287,36 @@ def test_payload_landing_before_its_offer_waits_for_the_offer():
         assert time.monotonic() - t0 >= 0.5
         reports, rc = await sender.finish()
         assert rc == 0 and reports[0]["ok"] and sha(into, 4 * MB) == reports[0]["sha256"]
+
+    run(body)
+
+
+def test_a_room_failed_by_its_payload_tells_the_late_offer_why():
+    async def body(rx: KVReceiver) -> None:
+        result = rx.expect(811, 2 * MB, torch.zeros(2 * MB, dtype=torch.uint8), deadline_s=30)
+        sender = await Sender.spawn(rx, [[{"room": 811, "nbytes": 3 * MB}]], mode="offer_late")
+        with pytest.raises(TransferError) as err:
+            await result
+        assert err.value.reason == "size_mismatch"
+        reports, rc = await sender.finish()
+        assert rc == 0 and (reports[0]["ok"], reports[0]["reason"]) == (False, "size_mismatch")
+        assert rx._consumed_early == {}  # the OFFER took its answer
+
+    run(body)
+
+
+def test_a_failed_room_whose_offer_never_comes_is_forgotten(monkeypatch):
+    monkeypatch.setattr(ucx_receiver, "LATE_OFFER_S", 0.5)
+
+    async def body(rx: KVReceiver) -> None:
+        result = rx.expect(821, 2 * MB, torch.zeros(2 * MB, dtype=torch.uint8), deadline_s=30)
+        sender = await Sender.spawn(rx, [[{"room": 821, "nbytes": 3 * MB}]], mode="offer_late", offer_delay=30)
+        with pytest.raises(TransferError):
+            await result
+        assert list(rx._consumed_early.values()) == ["size_mismatch"]
+        sender.proc.kill()  # dies before its OFFER
+        await asyncio.sleep(1.0)
+        assert rx._consumed_early == {}
 
     run(body)
 
