@@ -22,20 +22,22 @@ _BLOCK = 1024  # elements per Triton program; a page of one layer's K or V is sp
 _ROW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _page_rows(buffer: torch.Tensor) -> torch.Tensor:
-    """A contiguous buffer as ``[layer * 2 * pages, page_block]``, one row per page of one layer's K or V, in the
-    widest element type its rows allow: torch's index ops copy element by element, so moving 16-byte elements
-    instead of 2-byte ones scatters twice as fast on CPU (bf16: 4.8 -> 9 GB/s here). Only bits move, never
-    values, so any element type serves."""
-    if not buffer.is_contiguous():
-        raise ValueError("page moves need contiguous KV buffers (pools and staging blobs are)")
-    row_bytes = prod(buffer.shape[3:]) * buffer.element_size()
-    rows = buffer.view(torch.uint8).view(buffer.shape[0] * buffer.shape[1] * buffer.shape[2], row_bytes)
-    for dtype in _ROW_DTYPES:
-        size = dtype.itemsize
-        if rows.shape[1] % size == 0 and rows.data_ptr() % size == 0:
-            return rows.view(dtype)
-    raise AssertionError("uint8 always fits")
+def _page_rows(*buffers: torch.Tensor) -> list[torch.Tensor]:
+    """Contiguous buffers as ``[layer * 2 * pages, page_block]``, one row per page of one layer's K or V, in the
+    widest element type all their rows allow: torch's index ops copy element by element, so moving 16-byte
+    elements instead of 2-byte ones scatters twice as fast on CPU (bf16: 4.8 -> 9 GB/s here). Only bits move,
+    never values, so any element type serves."""
+    rows = []
+    for b in buffers:
+        if not b.is_contiguous():
+            raise ValueError("page moves need contiguous KV buffers (pools and staging blobs are)")
+        rows.append(b.view(torch.uint8).view(b.shape[0] * b.shape[1] * b.shape[2], prod(b.shape[3:]) * b.element_size()))
+
+    def fits(r: torch.Tensor, size: int) -> bool:
+        return r.shape[1] % size == 0 and r.storage_offset() % size == 0 and r.data_ptr() % size == 0
+
+    dtype = next(d for d in _ROW_DTYPES if all(fits(r, d.itemsize) for r in rows))
+    return [r.view(dtype) for r in rows]
 
 
 def _row_index(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,8 @@ def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor, out: torch
     """buffer[:, :, pages] as a contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor (``out`` if given)."""
     if out is None:
         out = buffer.new_empty((*buffer.shape[:2], pages.numel(), *buffer.shape[3:]))
-    torch.index_select(_page_rows(buffer), 0, _row_index(buffer, pages), out=_page_rows(out))
+    buffer_rows, out_rows = _page_rows(buffer, out)
+    torch.index_select(buffer_rows, 0, _row_index(buffer, pages), out=out_rows)
     return out
 
 
@@ -70,7 +73,8 @@ def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: 
     # Only host->device may be asynchronous: a non-blocking device->host copy lands in pinned memory that the
     # CPU index_copy_ below would read before the transfer finished.
     staging = staging.to(buffer.device, non_blocking=buffer.is_cuda)
-    _page_rows(buffer).index_copy_(0, _row_index(buffer, pages), _page_rows(staging))
+    staging_rows, buffer_rows = _page_rows(staging, buffer)
+    buffer_rows.index_copy_(0, _row_index(buffer, pages), staging_rows)
 
 
 if triton is not None:

@@ -170,7 +170,7 @@ def test_page_moves_copy_bits_whatever_the_row_element_type(dtype, page_size: in
     shape = (2, 2, 7, page_size, 3, head_dim)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     src, dst = (torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape) for _ in range(2))
-    assert page_copy._page_rows(src).dtype == row_dtype
+    assert page_copy._page_rows(src, dst)[0].dtype == row_dtype
     src_pages, dst_pages = torch.tensor([5, 0, 3]), torch.tensor([1, 6, 2])
     want = dst.clone()
     want[:, :, dst_pages] = src[:, :, src_pages]
@@ -181,6 +181,16 @@ def test_page_moves_copy_bits_whatever_the_row_element_type(dtype, page_size: in
     copy_pages(src, dst, src_pages.flip(0), dst_pages)
     want[:, :, dst_pages] = src[:, :, src_pages.flip(0)]
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_page_moves_between_buffers_aligned_differently():
+    """A buffer that starts 2 bytes into its storage moves pages as 2-byte rows, and so does its partner."""
+    raw = torch.randint(0, 256, (2 * 2 * 5 * 4 * 3 * 8 * 2 + 2,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    buf = raw[2:].view(torch.bfloat16).view(2, 2, 5, 4, 3, 8)
+    staging = gather_pages(buf, torch.tensor([4, 1]))
+    assert torch.equal(staging.view(torch.uint8), buf[:, :, [4, 1]].contiguous().view(torch.uint8))
+    scatter_pages(staging, buf, torch.tensor([0, 2]))
+    assert torch.equal(buf[:, :, [0, 2]].view(torch.uint8), staging.view(torch.uint8))
 
 
 def test_page_moves_reject_count_mismatch():
