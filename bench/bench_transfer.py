@@ -11,9 +11,11 @@ monotonic clock both processes share:
 Payloads and receive buffers are huge-page host buffers (``cache/host_memory.py``), as the staging pools
 on both sides of PD lend them. The memcpy baseline is ``torch`` ``copy_`` of the same bytes between two
 such buffers within the sender process, one sample after each timed step, so both see the same machine
-and the same caches (absolute speeds on a shared machine drift by 2-3x within minutes; the ratio is what
-to compare). It runs on one thread: the CMA copy UCX does here is one thread too, and torch's two-thread
-copy is erratic on a busy 2-core machine (medians 0.1-60 GB/s). For reference:
+(absolute speeds on a shared machine drift by 2-3x within minutes; the ratio is what
+to compare). Before each timed copy (transfer, memcpy, CMA) both processes' shared 32 MB L3 is flushed:
+otherwise whichever copy runs second reads what the first left in cache. The memcpy runs on one thread:
+the CMA copy UCX does here is one thread too, and torch's two-thread copy is erratic on a busy 2-core
+machine (medians 0.1-60 GB/s). For reference:
 
 - ``memcpy_4k_pages_gbps``: the same copy between plain torch tensors;
 - ``memcpy_hot_loop_gbps``: the copy repeated back to back. Up to 16 MB both buffers fit in the 32 MB L3
@@ -50,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,6 +74,7 @@ SIZES_MB = (1, 16, 64)
 WARMUP = 3
 IN_FLIGHT = 4
 LAYOUT = KVLayout("bench@0", num_layers=32, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+EVICT_BYTES = 64 << 20  # twice the L3
 POOL_PAGES = 512  # 256 KB pages (LAYOUT.page_bytes): 128 MB per side
 
 
@@ -135,7 +139,9 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
         report = json.loads(await asyncio.to_thread(sender.stdout.readline))
         n = group[0][1]
         if group[0][0] == "serial":
-            times["cma"][n] = [cma_read(report["pid"], report["payload"], sinks[n][0], n) for _ in range(args.reps)]
+            evict = cache_evictor()
+            times["cma"][n] = [evict() or cma_read(report["pid"], report["payload"], sinks[n][0], n)
+                               for _ in range(args.reps)]
             times["memcpy_hot"][n] = report["hot"]
         for (kind, n, rooms), (t0, acked, copy, plain_copy) in zip(group, report["steps"], strict=True):
             if kind != "warmup":
@@ -162,6 +168,7 @@ async def send(args: argparse.Namespace) -> None:
     plain = {n: (p.clone(), torch.ones_like(p)) for n, p in payloads.items()}  # torch's own 4 KB-page tensors
     pool = KVPool(LAYOUT, POOL_PAGES)
     pool.buffer.uniform_()
+    evict = cache_evictor()
 
     async def push(kind: str, room: int, payload: torch.Tensor) -> None:
         if kind == "pd_path":
@@ -174,16 +181,27 @@ async def send(args: argparse.Namespace) -> None:
         payload, scratch, (plain_src, plain_dst) = payloads[group[0][1]], scratches[group[0][1]], plain[group[0][1]]
         steps = []
         for kind, _, rooms in group:
+            evict()
             t0 = time.perf_counter()
             await asyncio.gather(*(push(kind, r, payload) for r in rooms))
             t1 = time.perf_counter()
-            scratch.copy_(payload)
-            t2 = time.perf_counter()
-            plain_dst.copy_(plain_src)
-            steps.append((t0, t1, t2 - t1, time.perf_counter() - t2))
+            evict()
+            copy = timed_copy(scratch, payload)
+            evict()
+            steps.append((t0, t1, copy, timed_copy(plain_dst, plain_src)))
         hot = [timed_copy(scratch, payload) for _ in range(args.reps)] if group[0][0] == "serial" else []
         print(json.dumps({"steps": steps, "hot": hot, "pid": os.getpid(), "payload": payload.data_ptr()}), flush=True)
     await tx.close()
+
+
+def cache_evictor() -> Callable[[], None]:
+    """A call that pushes everything out of the 32 MB L3 shared by both processes, so that each timed copy of
+    a step (transfer, memcpy, CMA) starts from memory, as a copy of KV that was not just copied does."""
+    src, dst = host_buffer(EVICT_BYTES).fill_(1), host_buffer(EVICT_BYTES)
+
+    def evict() -> None:
+        dst.copy_(src)
+    return evict
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
