@@ -22,8 +22,8 @@ machine (medians 0.1-60 GB/s). For reference:
   here, so this runs faster than any single copy does; at 64 MB the two agree.
 
 ``pd_path`` rows time what a PD request waits for around the transfer too: prefill gathers the delta pages
-from its KV pool into a staging buffer (``gather_pages``, in a thread as ``prefill_side`` does), sends it,
-and decode scatters it into its own pool (``run_to_completion(scatter_pages)``, as ``decode_side`` does);
+from its KV pool into a staging buffer, sends it, and decode scatters it into its own pool, each copy through
+``run_page_copy`` as ``prefill_side`` and ``decode_side`` do;
 from the gather's start to the scatter's end. Pools are huge-page host pools of 256 KB pages, the
 pages picked at random.
 
@@ -64,9 +64,9 @@ sys.path.insert(0, str(ROOT))
 from decode_worker.cache.host_memory import host_buffer  # noqa: E402
 from decode_worker.cache.pool import KVLayout, KVPool  # noqa: E402
 from decode_worker.transfer import ucx_channel  # noqa: E402
-from decode_worker.transfer.decode_side import run_to_completion  # noqa: E402
 from decode_worker.transfer.ucx_receiver import KVReceiver  # noqa: E402
 from decode_worker.transfer.ucx_sender import KVSender  # noqa: E402
+from decode_worker.transfer.staging import run_page_copy  # noqa: E402
 from decode_worker.transfer.wire import Trailer  # noqa: E402
 from decode_worker_kernels.page_copy import gather_pages, scatter_pages  # noqa: E402
 
@@ -122,7 +122,7 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
         await received
         if pd_path:
             pages = pd_pages(sink.numel(), 2 * room + 1)
-            await run_to_completion(scatter_pages, staged(sink, pages), pool.buffer, pages)
+            await run_page_copy(sink.numel(), scatter_pages, staged(sink, pages), pool.buffer, pages)
         settled[room] = time.perf_counter()
 
     for group in plan(args.reps):
@@ -173,7 +173,7 @@ async def send(args: argparse.Namespace) -> None:
     async def push(kind: str, room: int, payload: torch.Tensor) -> None:
         if kind == "pd_path":
             pages = pd_pages(payload.numel(), 2 * room)
-            await asyncio.to_thread(gather_pages, pool.buffer, pages, staged(payload, pages))
+            await run_page_copy(payload.numel(), gather_pages, pool.buffer, pages, staged(payload, pages))
         await tx.send(addresses[room], room, payload, Trailer(room), deadline_s=60)
 
     for group in plan(args.reps):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx
@@ -20,7 +19,7 @@ from decode_worker.config import ServerConfig
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.transfer.handshake import HANDSHAKE_PATH, prompt_digest
-from decode_worker.transfer.staging import StagingPool
+from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_receiver import KVReceiver
 from decode_worker.transfer.wire import TransferError
 from decode_worker_kernels.page_copy import scatter_pages
@@ -73,7 +72,8 @@ class DeltaKVFetcher:
                     await asyncio.shield(received)
                 except (TransferError, asyncio.CancelledError):
                     pass
-            await run_to_completion(scatter_pages, staging, self.pool.buffer, delta_pages)
+            await run_page_copy(staging.numel() * staging.element_size(), scatter_pages, staging, self.pool.buffer,
+                                delta_pages)
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix)
         self.metrics.kv_received_bytes.inc(staging.numel() * staging.element_size())
         self.metrics.kv_transfer.observe(time.monotonic() - started)
@@ -103,19 +103,3 @@ class DeltaKVFetcher:
                 detail = resp.text[:300]
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
-
-
-async def run_to_completion(fn: Callable[..., None], *args) -> None:
-    """Run ``fn(*args)`` in a thread, off the event loop (a 64 MB scatter takes 5-7 ms here, while other requests
-    stream), and return only once it finished, even when cancelled meanwhile (then raise ``CancelledError``):
-    the scheduler frees the pages ``fn`` writes as soon as the request's transfer task has ended."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    work.result()

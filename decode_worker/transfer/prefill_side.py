@@ -19,7 +19,7 @@ from decode_worker.api.schemas import HandshakeRequest
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.transfer.handshake import prompt_digest
-from decode_worker.transfer.staging import StagingPool
+from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_sender import KVSender
 from decode_worker.transfer.wire import TransferError, Trailer
 from decode_worker_kernels.page_copy import gather_pages
@@ -133,7 +133,8 @@ class KVHandoff:
         shape = (layout.num_layers, 2, pages.numel(), layout.page_size, layout.num_kv_heads, layout.head_dim)
         try:
             with self.staging.borrow(shape, layout.dtype) as staging:
-                await asyncio.to_thread(gather_pages, self.pool.buffer, pages, staging)
+                await run_page_copy(staging.numel() * staging.element_size(), gather_pages, self.pool.buffer, pages,
+                                    staging)
                 await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
         except TransferError as e:
             self.metrics.transfer_failures.labels(e.reason).inc()
