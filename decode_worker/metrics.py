@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 PREFIX = "decode_worker_"
 TIERS = ("device", "host", "storage")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TRANSFER_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # a 16 MB delta lands in ~3 ms over shared memory
 
 
 class _LiveCollector:
@@ -61,7 +62,9 @@ class Metrics:
         self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
         self.retractions = Counter(PREFIX + "retractions", "Running requests retracted when L1 ran out", registry=r)
         self.ttft = Histogram(PREFIX + "ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "Handshake to KV received", buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "PD: prefill accepted the handshake until the delta KV "
+                                     "is in the request's pages (prefill's compute is not in it)",
+                                     buckets=_TRANSFER_BUCKETS, registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)  # export zeros so hit-rate queries have every series from the start
 

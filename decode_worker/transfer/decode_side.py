@@ -56,11 +56,11 @@ class DeltaKVFetcher:
         n_pages = delta_pages.numel()
         shape = (layout.num_layers, 2, n_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
         with self.staging.borrow(shape, layout.dtype) as staging:
-            started = time.monotonic()
             received = self.receiver.expect(boot.room, staging.numel() * staging.element_size(), staging,
                                             self.config.handshake_timeout_s + self.config.transfer_timeout_s)
             try:
-                await self._handshake(boot, prefix, prompt)
+                await self._handshake(boot, prefix, prompt)  # answers once prefill holds the room's KV
+                started = time.monotonic()
                 trailer = await received
             except TransferError as e:
                 raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"

@@ -55,11 +55,14 @@ def reference(colocated, text: str) -> list[int]:
 def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode, colocated):
     text_a, text_b = PROMPT + "Question A: who built the roads?", PROMPT + "Question B: who won the wars?"
     before = decode.metric("decode_worker_kv_received_tokens_total")
+    waits = {m: decode.metric(m) for m in ("decode_worker_kv_transfer_seconds_sum", "decode_worker_ttft_seconds_sum")}
     first = pd_generate(prefill, decode, {"text": text_a, "sampling_params": GREEDY}, next(rooms))
     assert first.status_code == 200, first.text
     a = first.json()
     assert a["output_ids"] == reference(colocated, text_a)
     assert decode.metric("decode_worker_kv_received_tokens_total") - before == a["meta_info"]["prompt_tokens"]
+    transfer, ttft = (decode.metric(m) - v for m, v in waits.items())
+    assert 0 < transfer < ttft / 3  # the transfer alone: the wait for prefill's compute is in TTFT, not in it
 
     before = decode.metric("decode_worker_kv_received_tokens_total")
     b = pd_generate(prefill, decode, {"text": text_b, "sampling_params": GREEDY}, next(rooms)).json()
