@@ -24,8 +24,8 @@ machine (medians 0.1-60 GB/s). For reference:
 ``pd_path`` rows time what a PD request waits for around the transfer too: prefill gathers the delta pages
 from its KV pool into a staging buffer, sends it, and decode scatters it into its own pool, each copy through
 ``run_page_copy`` as ``prefill_side`` and ``decode_side`` do;
-from the gather's start to the scatter's end. Pools are huge-page host pools of 256 KB pages, the
-pages picked at random.
+from the gather's start to the scatter's end. The pools are host ``KVPool``s as the product makes them, of
+256 KB pages, the pages picked at random.
 
 ``fresh_buffer`` rows receive into a new, never-touched buffer each time, as the decode side did before it
 kept its staging buffers (``transfer/staging.py``): the same transfer, paying first-touch page faults.

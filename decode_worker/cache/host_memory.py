@@ -1,9 +1,13 @@
-"""Host memory for large KV buffers (CPU pools, transfer staging), backed by transparent huge pages.
+"""Host memory for PD staging buffers, backed by transparent huge pages.
 
 Linux here gives huge pages only to memory that asks for them (``transparent_hugepage=madvise``), and torch's
 allocator does not ask. With 4 KB pages, every copy that crosses processes (UCX's shared-memory rendezvous:
 one ``process_vm_readv`` per payload) walks and pins page by page: 6-8 GB/s for 16-64 MB here, against
 12-17 GB/s between huge-page buffers. Copies within one process gain 5-15%.
+
+KV pools stay on torch's own pages (``cache/pool.py``): faulting huge pages in is slow on this VM (~0.8 GB/s,
+4 KB pages ~4 GB/s), so a pool of a few GB would start seconds later, for 10-20% faster page copies. Staging
+buffers are few and reused (``transfer/staging.py``), so their faults are paid once per size.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Large host KV buffers (CPU pools, staging) are zeroed, huge-page aligned, and on huge pages where Linux has them."""
+"""PD staging buffers are zeroed, huge-page aligned, and on huge pages where Linux has them."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from decode_worker.cache.host_memory import HUGE_PAGE, host_buffer
-from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.transfer.staging import StagingPool
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -50,12 +49,6 @@ def test_touched_memory_is_backed_by_huge_pages():
     assert huge_page_bytes(buf.data_ptr()) >= 8 << 20  # ordinary torch memory has none here (THP: madvise)
 
 
-def test_cpu_pools_and_staging_blocks_use_it():
-    layout = KVLayout("m@0", num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
-    pool = KVPool(layout, num_pages=512)
-    assert pool.buffer.shape == (2, 2, 512, 16, 2, 64) and pool.buffer.dtype == torch.bfloat16
-    assert pool.buffer.data_ptr() % HUGE_PAGE == 0 and int(pool.buffer.count_nonzero()) == 0
-    pool.k_slots(1)[5] = 1.5  # the slot views still address the buffer
-    assert float(pool.buffer[1, 0, 0, 5, 0, 0]) == 1.5
+def test_staging_blocks_use_it():
     with StagingPool().borrow((3 << 20,), torch.uint8) as staged:
         assert staged.data_ptr() % HUGE_PAGE == 0
