@@ -21,8 +21,9 @@ HUGE_PAGE = 2 << 20
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A zero-filled flat uint8 tensor of ``nbytes`` in host memory, on huge pages where the kernel has them.
 
-    The memory is an anonymous private mapping, aligned to a huge page and advised ``MADV_HUGEPAGE``; like
-    ``torch.zeros`` it is only committed when touched, and freed with the last tensor viewing it.
+    The memory is an anonymous private mapping, aligned to a huge page and advised ``MADV_HUGEPAGE``. The kernel
+    zeroes each page when it is first touched (``torch.zeros`` instead writes every byte at once), and the
+    mapping is freed with the last tensor viewing it.
     Small buffers, or kernels without transparent huge pages, get ordinary pages.
     """
     if nbytes < HUGE_PAGE:
