@@ -85,8 +85,7 @@ def pd_pages(n: int, seed: int) -> torch.Tensor:
 
 def staged(buf: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``buf`` seen as the staging blob of ``pages``: ``[layer, 2, n, page_size, kv_heads, head_dim]``."""
-    return buf.view(LAYOUT.dtype).view(LAYOUT.num_layers, 2, pages.numel(), LAYOUT.page_size, LAYOUT.num_kv_heads,
-                                       LAYOUT.head_dim)
+    return buf.view(LAYOUT.dtype).view(LAYOUT.pages_shape(pages.numel()))
 
 
 def plan(reps: int) -> list[list[tuple[str, int, list[int]]]]:
@@ -115,7 +114,7 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
                               "cma": {}}
     sinks = {mb << 20: [host_buffer(mb << 20).fill_(1) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
     pool = KVPool(LAYOUT, POOL_PAGES)
-    pool.buffer.fill_(1)  # touched, as a running cache's pool is
+    evict = cache_evictor()
     settled: dict[int, float] = {}
 
     async def deliver(room: int, received: asyncio.Future, sink: torch.Tensor, pd_path: bool) -> None:
@@ -139,7 +138,6 @@ async def receive(args: argparse.Namespace) -> dict[str, dict]:
         report = json.loads(await asyncio.to_thread(sender.stdout.readline))
         n = group[0][1]
         if group[0][0] == "serial":
-            evict = cache_evictor()
             times["cma"][n] = [evict() or cma_read(report["pid"], report["payload"], sinks[n][0], n)
                                for _ in range(args.reps)]
             times["memcpy_hot"][n] = report["hot"]

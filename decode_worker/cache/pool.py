@@ -29,6 +29,10 @@ class KVLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
 
+    def pages_shape(self, num_pages: int) -> tuple[int, ...]:
+        """``[layer, kv, page, slot, kv_head, head_dim]``: a pool of ``num_pages``, or the staging blob of that many."""
+        return self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim
+
     def describe(self) -> dict[str, object]:
         return {
             "model_id": self.model_id,
@@ -57,11 +61,10 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
-        shape = (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
         # Not huge pages (see cache/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
         # here runs at ~0.8 GB/s against ~4 GB/s for 4 KB ones, which would slow start-up by seconds for a pool
         # of a few GB (torch.zeros touches it all now, so requests never pay for the faults).
-        self.buffer = torch.zeros(shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
+        self.buffer = torch.zeros(layout.pages_shape(num_pages), dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
 
     @property
     def page_size(self) -> int:

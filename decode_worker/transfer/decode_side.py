@@ -53,10 +53,8 @@ class DeltaKVFetcher:
         layout = self.pool.layout
         prompt = req.seq.prompt_ids
         prefix = req.prefix_pages * layout.page_size
-        n_pages = delta_pages.numel()
-        shape = (layout.num_layers, 2, n_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        with self.staging.borrow(shape, layout.dtype) as staging:
-            received = self.receiver.expect(boot.room, staging.numel() * staging.element_size(), staging,
+        with self.staging.borrow(layout.pages_shape(delta_pages.numel()), layout.dtype) as staging:
+            received = self.receiver.expect(boot.room, staging.nbytes, staging,
                                             self.config.handshake_timeout_s + self.config.transfer_timeout_s)
             try:
                 await self._handshake(boot, prefix, prompt)  # answers once prefill holds the room's KV
@@ -72,10 +70,9 @@ class DeltaKVFetcher:
                     await asyncio.shield(received)
                 except (TransferError, asyncio.CancelledError):
                     pass
-            await run_page_copy(staging.numel() * staging.element_size(), scatter_pages, staging, self.pool.buffer,
-                                delta_pages)
+            await run_page_copy(staging.nbytes, scatter_pages, staging, self.pool.buffer, delta_pages)
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix)
-        self.metrics.kv_received_bytes.inc(staging.numel() * staging.element_size())
+        self.metrics.kv_received_bytes.inc(staging.nbytes)
         self.metrics.kv_transfer.observe(time.monotonic() - started)
         return trailer.first_token, trailer.logprob
 

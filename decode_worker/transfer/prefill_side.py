@@ -130,11 +130,9 @@ class KVHandoff:
     async def _push(self, req: "Req", address: bytes, room: int, pages: torch.Tensor, trailer: Trailer) -> None:
         """Gather the pages into a staging buffer and send it; the held pages are released whatever happens."""
         layout = self.pool.layout
-        shape = (layout.num_layers, 2, pages.numel(), layout.page_size, layout.num_kv_heads, layout.head_dim)
         try:
-            with self.staging.borrow(shape, layout.dtype) as staging:
-                await run_page_copy(staging.numel() * staging.element_size(), gather_pages, self.pool.buffer, pages,
-                                    staging)
+            with self.staging.borrow(layout.pages_shape(pages.numel()), layout.dtype) as staging:
+                await run_page_copy(staging.nbytes, gather_pages, self.pool.buffer, pages, staging)
                 await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
         except TransferError as e:
             self.metrics.transfer_failures.labels(e.reason).inc()

@@ -42,7 +42,7 @@ class StagingPool:
     def borrow(self, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """A contiguous ``shape``/``dtype`` tensor on the pool's device; it returns to the pool when the block
         exits normally and is dropped when it raises."""
-        nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = prod(shape) * dtype.itemsize
         block = self._take(nbytes)
         yield block[:nbytes].view(dtype).view(shape)
         self._give_back(block)

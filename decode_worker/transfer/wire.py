@@ -55,6 +55,9 @@ class Trailer:
             raise ValueError(f"a trailer carries at most {MAX_EXTRA} extra ints")
 
 
+_ADDRESS_HEAD = struct.Struct("<QHH")  # payload tag, listener port, host length; then host and worker address
+
+
 @dataclass(frozen=True)
 class PeerAddress:
     """Everything a sender needs to push one room: the receiver's control listener, its UCX worker address,
@@ -66,19 +69,20 @@ class PeerAddress:
     host: str
     port: int
     worker: bytes
-    tag: int = 0
+    tag: int
 
     def pack(self) -> bytes:
         host = self.host.encode()
-        return struct.pack("<QHH", self.tag, self.port, len(host)) + host + self.worker
+        return _ADDRESS_HEAD.pack(self.tag, self.port, len(host)) + host + self.worker
 
     @classmethod
     def unpack(cls, data: bytes) -> PeerAddress:
-        if len(data) < 12:
+        head = _ADDRESS_HEAD.size
+        if len(data) < head:
             raise ValueError("malformed peer address")
-        tag, port, host_len = struct.unpack_from("<QHH", data)
-        host = data[12 : 12 + host_len].decode()
-        worker = bytes(data[12 + host_len :])
+        tag, port, host_len = _ADDRESS_HEAD.unpack_from(data)
+        host = data[head : head + host_len].decode()
+        worker = bytes(data[head + host_len :])
         if not host or not worker:
             raise ValueError("malformed peer address")
         return cls(host, port, worker, tag)
