@@ -220,7 +220,12 @@ class HierarchicalCache:
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
         """Lock the matched path, allocate L1 pages for the restore plus ``extra_pages`` (evicting in one batch),
-        and start the L2->L1 copy. Raises OutOfPages having taken nothing."""
+        and start the L2->L1 copy. Raises OutOfPages (or anything else) having taken nothing.
+
+        Finished copies are applied first, and the match is redone if the tree changed since it was taken: a
+        failed load or demotion applied later, in the middle of this call, would change tiers it already chose.
+        """
+        self.poll()
         if match.version != self.tree.version:
             match = self.match(match.key)
         path = list(match.path)
@@ -230,13 +235,16 @@ class HierarchicalCache:
         restore = [n for n in path if not n.on_device]
         n_restore = sum(self.tree.num_pages(n) for n in restore)
         self.tree.lock(last)
+        pages = None
         try:
-            pages = self.alloc_device(n_restore + extra_pages)
-        except OutOfPages:
+            pages = self._alloc_device(n_restore + extra_pages)
+            if restore:
+                self._start_load(restore, pages[:n_restore])
+        except BaseException:
+            if pages is not None:
+                self.device_alloc.free(pages)
             self.tree.unlock(last)
             raise
-        if restore:
-            self._start_load(restore, pages[:n_restore])
         waits = list({n.loading: None for n in path if n.loading is not None})
         self.tree.touch(last, hit=bool(path))
         self.counters.cached_device += match.device_hit_tokens
@@ -256,17 +264,17 @@ class HierarchicalCache:
         )
 
     def _start_load(self, nodes: list[TreeNode], device_pages: torch.Tensor) -> None:
+        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued."""
+        deps = list({n.saving: None for n in nodes if n.saving is not None})
+        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=deps)
+        op.future = self.engine.load(_cat([n.host_indices for n in nodes]), device_pages)
         offset = 0
         for node in nodes:
             n = self.tree.num_pages(node)
             self.tree.set_device(node, device_pages[offset : offset + n])
-            offset += n
-        deps = list({n.saving: None for n in nodes if n.saving is not None})
-        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=deps)
-        for node in nodes:
             node.loading = op
+            offset += n
         self.tree.lock(nodes[-1])
-        op.future = self.engine.load(_cat([n.host_indices for n in nodes]), device_pages)
         self._pending.append(op)
 
     def release(self, handle: LoadHandle) -> None:
@@ -445,6 +453,9 @@ class HierarchicalCache:
     def alloc_device(self, n: int) -> torch.Tensor:
         """``n`` L1 pages, evicting unlocked leaves in one batch if needed; raises OutOfPages taking nothing."""
         self.poll()  # finished copies unlock nodes and return drained pages
+        return self._alloc_device(n)
+
+    def _alloc_device(self, n: int) -> torch.Tensor:
         short = n - self.device_alloc.num_free - self._draining
         if short > 0:
             self.evict_device(short)
@@ -573,9 +584,17 @@ class HierarchicalCache:
         """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room."""
         if self.host_alloc is None:
             return None
-        if self.host_alloc.num_free < n:
-            self.evict_host(n - self.host_alloc.num_free)
-        return self.host_alloc.alloc(n) if self.host_alloc.num_free >= n else None
+        short = n - self.host_alloc.num_free
+        if short > 0:
+            if short > self._host_evictable_pages():
+                return None  # evicting could not make room: keep L2 as it is
+            self.evict_host(short)
+        return self.host_alloc.alloc(n)
+
+    def _host_evictable_pages(self) -> int:
+        """L2 pages ``evict_host`` can free now: unlocked host-only nodes, none being written."""
+        return sum(self.tree.num_pages(n) for n in self.tree.nodes()
+                   if n.on_host and not n.on_device and n.lock_ref == 0 and n.saving is None)
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
         """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
@@ -610,6 +629,21 @@ class HierarchicalCache:
     def draining_pages(self) -> int:
         """L1 pages that write_back copies free once they land: allocatable soon, not now."""
         return self._draining
+
+    def pages_soon_free(self) -> int:
+        """L1 pages that copies in flight will make allocatable (write_back drains) or evictable (nodes that only a
+        backup's lock pins, e.g. a retracted request's). A request short of pages waits for these rather than
+        taking someone else's."""
+        pinned: dict[TreeNode, int] = {}
+        for op in self._pending:
+            if op.kind == "backup":
+                for node in op.locked:
+                    while node is not self.tree.root:
+                        pinned[node] = pinned.get(node, 0) + 1
+                        node = node.parent
+        return self._draining + sum(
+            self.tree.num_pages(n) for n, locks in pinned.items() if n.on_device and n.lock_ref == locks
+        )
 
     @property
     def busy(self) -> bool:

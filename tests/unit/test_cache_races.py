@@ -1,0 +1,188 @@
+"""Regression tests for race and failure windows of the hierarchical cache and its L3 prefetch.
+
+Each test reproduces one defect found by review (issue 11) and failed before its fix.
+"""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.cache.storage.base import StoreBackend, encode_record
+from decode_worker.cache.storage.tier import StorageTier
+from decode_worker.engine.storage_lookahead import StorageLookahead
+from tests.unit.test_hicache import (
+    LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, page_value, run, start,  # noqa: F401
+)
+
+
+def _finish_copies_unpolled(cache: HierarchicalCache) -> None:
+    """Let every queued copy run to completion without the cache seeing it (no poll): the window in which a
+    request can act on a match whose tiers a finished copy is about to change."""
+    cache.engine.gate.set()
+    for op in list(cache._pending):
+        op.future.exception(timeout=10)
+
+
+# -- defect 2: load_back_and_lock must not act on tiers its own allocation changed -----------------------------
+
+
+def test_lock_after_an_unpolled_failed_demotion_takes_nothing_and_leaks_nothing(hc):
+    cache, dev, host = hc(device_pages=20, write_policy="write_back")
+    run(cache, dev, PROMPT)
+    cache.engine.gate.clear()
+    cache.engine.fail_next = 1
+    cache.evict_device(100)  # PROMPT is now host-only, its host copy still being written
+    match = cache.match(PROMPT)
+    assert match.host_hit_tokens == 10
+    _finish_copies_unpolled(cache)  # the demotion failed; the match does not know yet
+    h = cache.load_back_and_lock(match, extra_pages=5)
+    assert h.restored_tokens == 0 and h.prefix_tokens == 0  # nothing left to restore: a plain miss
+    finish(cache, dev, PROMPT, h)
+    assert cache.match(PROMPT).device_hit_tokens == 10
+    assert_quiescent(cache)
+
+
+def test_lock_after_an_unpolled_failed_load_back_restores_again(hc):
+    cache, dev, host = hc(device_pages=20)
+    run(cache, dev, PROMPT)
+    cache.drain()
+    cache.evict_device(100)
+    cache.engine.gate.clear()
+    cache.engine.fail_next = 1
+    first = start(cache, PROMPT)  # a load-back that will fail
+    match = cache.match(PROMPT)  # a second request sees PROMPT restoring (on L1, loading)
+    _finish_copies_unpolled(cache)
+    second = cache.load_back_and_lock(match, extra_pages=0)
+    # the failed load dropped the L1 copy: the second request restores from L2 itself
+    assert second.restored_tokens == 10
+    finish(cache, dev, PROMPT, second)
+    with pytest.raises(Exception):
+        asyncio.run(first.wait())
+    cache.release(first)
+    assert_quiescent(cache)
+
+
+# -- defect 6: a host allocation that cannot succeed evicts nothing ----------------------------------------------
+
+
+def test_oversized_host_allocation_leaves_l2_alone(hc):
+    cache, dev, host = hc(device_pages=20, host_pages=8)
+    run(cache, dev, PROMPT)
+    cache.drain()
+    cache.evict_device(100)  # PROMPT: 5 host-only pages
+    assert cache.match(PROMPT).host_hit_tokens == 10
+    assert cache.alloc_host(9) is None  # more than L2 holds in all
+    assert cache.match(PROMPT).host_hit_tokens == 10, "L2 was emptied for an allocation that failed"
+    pages = cache.alloc_host(4)
+    assert pages is not None
+    cache.free_host(pages)
+    assert_quiescent(cache)
+
+
+def test_oversized_backup_leaves_l2_alone(hc):
+    cache, dev, host = hc(device_pages=20, host_pages=6, write_policy="write_through")
+    run(cache, dev, PROMPT[:4])
+    cache.drain()
+    cache.evict_device(100)  # 2 host-only pages
+    run(cache, dev, tuple(range(100, 114)))  # write-through of 7 pages: more than L2 holds
+    cache.drain()
+    assert cache.match(PROMPT[:4]).host_hit_tokens == 4, "L2 was emptied for a backup that was skipped"
+    assert_quiescent(cache)
+
+
+# -- defect 1: a stopped L3 prefetch writes nothing more ---------------------------------------------------------
+
+
+class GatedStore(StoreBackend):
+    """An in-memory store whose ``get`` answers only when the test opens ``gate``."""
+
+    name = "gated"
+
+    def __init__(self, records: dict[str, bytes], gate_exists: bool = False):
+        self.records = records
+        self.gate = asyncio.Event()
+        self.answered = asyncio.Event()
+        self.gate_exists = gate_exists
+
+    async def exists(self, keys: list[str]) -> int:
+        if self.gate_exists:
+            await self.gate.wait()
+            self.answered.set()
+        n = 0
+        while n < len(keys) and keys[n] in self.records:
+            n += 1
+        return n
+
+    async def get(self, keys: list[str]) -> list[bytes | None]:
+        await self.gate.wait()
+        self.answered.set()
+        return [self.records.get(k) for k in keys]
+
+    async def put(self, keys, records) -> None:
+        self.records.update((k, bytes(r)) for k, r in zip(keys, records))
+
+    async def delete(self, keys) -> None:
+        for k in keys:
+            self.records.pop(k, None)
+
+
+def test_prefetch_stopped_after_the_store_answered_writes_nothing():
+    """A stop that lands after the store answered but before the fetch resumes: Python 3.11's wait_for swallows
+    that cancellation, so only an explicit stop flag keeps the fetch from writing into pages already freed."""
+    host = KVPool(LAYOUT, 4)
+    keys = ["a0" * 32, "b1" * 32]
+    records = {k: bytes(encode_record(k, LAYOUT.fingerprint(), bytes([7]) * LAYOUT.page_bytes)) for k in keys}
+
+    async def scenario() -> tuple[int, int]:
+        store = GatedStore(records)
+        tier = StorageTier(store, LAYOUT, batch_pages=2)
+        op = tier.start_prefetch(keys, host, torch.tensor([1, 2]))
+        await asyncio.sleep(0)  # the fetch is now waiting in get()
+        store.gate.set()
+        await store.answered.wait()  # get() returned; the fetch has not resumed yet
+        arrived = op.stop()
+        for _ in range(20):  # let the fetch run whatever it still runs
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        return arrived, op.arrived
+
+    arrived, later = asyncio.run(scenario())
+    assert arrived == 0 and later == 0, f"stop() said {arrived}, the fetch went on to {later}"
+    assert int(host.buffer.view(torch.uint8).view(LAYOUT.num_layers, 2, 4, -1)[:, :, 1:3].sum()) == 0, \
+        "a stopped prefetch wrote into L2 pages it no longer owns"
+
+
+def test_lookahead_settled_while_the_store_answers_takes_no_l2_pages():
+    """The request settles (admitted, aborted) after ``exists`` answered but before its task resumed: the task
+    must not go on to take L2 pages that nobody would ever free."""
+    dev, host = KVPool(LAYOUT, 9), KVPool(LAYOUT, 8)
+    tokens = list(range(10))
+
+    async def scenario() -> int:
+        probe = HierarchicalCache(dev, host)
+        keys = probe.storage_keys(probe.match(tokens))
+        probe.close()
+        record = lambda k: bytes(encode_record(k, LAYOUT.fingerprint(), bytes(LAYOUT.page_bytes)))  # noqa: E731
+        store = GatedStore({k: record(k) for k in keys}, gate_exists=True)
+        cache = HierarchicalCache(dev, host, storage=StorageTier(store, LAYOUT))
+        lookahead = StorageLookahead(cache, PS, lambda r: tokens, asyncio.Event())
+        req = SimpleNamespace(fetch=None, seq=SimpleNamespace(output_ids=[]), aborted=None, storage_span=range(0))
+        lookahead.start([req])
+        await asyncio.sleep(0)  # its task now waits in exists()
+        store.gate.set()
+        await store.answered.wait()
+        lookahead.settle(req, insert=False)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        cache.check_invariants(prefetch_pages=0)
+        out = cache._host_out
+        cache.close()
+        return out
+
+    assert asyncio.run(scenario()) == 0
