@@ -79,6 +79,8 @@ class StorageLookahead:
         try:
             async with asyncio.timeout_at(fetch.deadline if waits else None):
                 found = await self.storage.exists(fetch.keys)
+                if fetch.settled:  # settled while the store answered (a cancel lost in wait_for): take nothing
+                    return
                 fetch.host_pages = self.cache.alloc_host(found) if found else None
                 if fetch.host_pages is not None:
                     fetch.prefetch = self.storage.start_prefetch(fetch.keys[:found], self.cache.host_pool,
@@ -98,8 +100,9 @@ class StorageLookahead:
             self._start_fetch(req, defer=False)
         fetch = req.fetch
         if not fetch.settled:
-            if self.storage.policy.name != "best_effort" and fetch.task is not None and not fetch.task.done():
-                return False
+            waiting = fetch.task is not None and not fetch.task.done()
+            if waiting and self.storage.policy.name != "best_effort" and asyncio.get_running_loop().time() < fetch.deadline:
+                return False  # the deadline is checked here too: the task's own timeout can be lost like a cancel
             self.settle(req, insert=True)
         return True
 

@@ -55,17 +55,23 @@ def _host_bytes(pool: KVPool) -> np.ndarray:
 
 class Prefetch:
     """An L3 -> L2 prefetch in flight. ``arrived`` counts leading pages written and verified; it only grows, and
-    once ``stop()`` returns nothing more is written, so the caller can commit those pages and free the rest."""
+    once ``stop()`` returns nothing more is written, so the caller can commit those pages and free the rest.
+
+    ``stop()`` sets ``stopped``, which the fetch checks after every await and before every copy. Cancelling the
+    task alone is not enough: a cancel that lands after a store call answered but before the task resumed is
+    lost inside ``asyncio.wait_for`` (Python 3.11), and the fetch would go on writing pages already freed.
+    """
 
     def __init__(self, tier: StorageTier, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor):
         self.keys = keys
         self.arrived = 0
+        self.stopped = False
         self._task = asyncio.get_running_loop().create_task(tier._fetch(self, host_pool, host_pages))
 
     @property
     def done(self) -> bool:
         """Every page arrived, or the fetch stopped at a miss or failure, or ``stop()`` was called."""
-        return self._task.done()
+        return self.stopped or self._task.done()
 
     async def wait(self, timeout_s: float | None) -> int:
         """Wait until done or ``timeout_s`` (None: no limit) without stopping it; returns pages arrived so far."""
@@ -75,6 +81,7 @@ class Prefetch:
 
     def stop(self) -> int:
         """Stop fetching and return the final count; host pages past it were never written by this prefetch."""
+        self.stopped = True
         self._task.cancel()
         return self.arrived
 
@@ -241,10 +248,12 @@ class StorageTier:
         for start in range(0, len(op.keys), self.batch_pages):
             keys = op.keys[start : start + self.batch_pages]
             records = await self._call("prefetch", self.backend.get(keys))
-            if records is _FAILED:
+            if records is _FAILED or op.stopped:
                 return
             payloads = await asyncio.to_thread(self._verify, keys, records)
             for key, payload in zip(keys, payloads):
+                if op.stopped:  # the caller has freed or committed the pages: write nothing more
+                    return
                 if isinstance(payload, str):
                     self._reject("prefetch", key, payload)
                     return
