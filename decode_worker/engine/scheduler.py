@@ -165,14 +165,14 @@ class Scheduler:
                 worked = await self._step()
             except Exception:  # a bug must not take the server down silently: fail live requests, go on
                 log.exception("scheduler step failed")
-                for rid in list(self.requests):
-                    self._fail(self.requests[rid], RequestError("internal error in the scheduler", 500, "internal_error"))
+                self._fail_all(RequestError("internal error in the scheduler", 500, "internal_error"))
                 worked = False
             self.steps += 1
-            if not worked:
+            if not worked:  # nothing ran: yield to HTTP, SSE and UCX until something changes
                 self._wakeup.clear()
                 # Keep polling while copies are in flight: their locks drop only when poll() sees them done.
-                timeout = 0.005 if self.loading or self.cache.busy else (1.0 if self.held else None)
+                busy = self.loading or self.running or self.cache.busy
+                timeout = 0.005 if busy else (1.0 if self.held else None)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 except asyncio.TimeoutError:
@@ -190,8 +190,7 @@ class Scheduler:
             await self._extend_step()
             worked = True
         if self.running:
-            await self._decode_step()
-            worked = True
+            worked = await self._decode_step() or worked
         return worked
 
     # ---- admission --------------------------------------------------------------------------------------------
@@ -243,6 +242,7 @@ class Scheduler:
         req.loading_since = time.monotonic()
         if pd_fresh:
             req.transfer = asyncio.get_running_loop().create_task(self.kv_source(req, req.handle.delta_pages))
+            req.transfer.add_done_callback(lambda _: self._wakeup.set())
         return True
 
     def _check_loading(self) -> None:
@@ -333,29 +333,33 @@ class Scheduler:
         req.handle, pages = self.cache.cache_in_flight(req.handle, seq.token_ids[: seq.num_computed], pages)
         req.prefix_pages, seq.pages = req.handle.device_indices.numel(), pages.tolist()
 
-    async def _decode_step(self) -> None:
+    async def _decode_step(self) -> bool:
+        """One decode forward over the running requests that have their next page; False when none has."""
         ready = set()
         for req in sorted(self.running, key=lambda r: -len(r.seq.output_ids)):  # most progress first
             if req in self.running and self._grow(req):
                 ready.add(req)
         batch = [r for r in self.running if r in ready]
         if not batch:
-            return
+            return False
         last = [r.seq.output_ids[-1] if r.seq.output_ids else r.seq.prompt_ids[-1] for r in batch]
         logits = await self._forward(batch, [[t] for t in last], [r.seq.num_tokens - 1 for r in batch])
         for r in batch:
             r.seq.num_computed = r.seq.num_tokens
         self._sample(batch, logits, into_running=False)
+        return True
 
     def _grow(self, req: Req) -> bool:
         """Give ``req`` the page its next token needs; retract the least advanced request when L1 is full.
-        False when ``req`` sits this step out: retracted, or waiting for pages still draining to L2."""
+        False when ``req`` sits this step out: retracted, or waiting for pages that copies in flight free."""
         seq = req.seq
         while len(seq.pages) < seq.pages_needed(self.page_size):
             try:
                 seq.pages += self.cache.alloc_device(1).tolist()
             except OutOfPages:
-                if self.cache.draining_pages:  # write_back victims free their pages in a moment: wait, don't retract
+                # Pages draining to L2, or pinned only by a backup (the last retraction's): free in a moment.
+                # Waiting for them beats retracting one more request.
+                if self.cache.pages_soon_free():
                     return False
                 victim = min(self.running, key=lambda r: (len(r.seq.output_ids), -r.stream.created_at))
                 self._retract(victim)
@@ -417,7 +421,23 @@ class Scheduler:
         self._release(req)
         self._close(req, "ok")
 
+    def _fail_all(self, error: RequestError) -> None:
+        """Fail every live request; one whose cleanup fails is still answered, so no client waits forever."""
+        for req in list(self.requests.values()):
+            try:
+                self._fail(req, error)
+            except Exception:  # noqa: BLE001 - the state is already broken: answer the client at least
+                log.exception("failing %s", req.rid)
+                req.stream.queue.put_nowait(TokenEvent([], [], None, error=error))
+                self._close(req, "error")
+
     def _fail(self, req: Req, error: RequestError) -> None:
+        """End ``req`` with ``error`` and free what it holds. A KV transfer still in flight may be writing into
+        its pages: then the transfer is cancelled and the request is failed once that task has ended."""
+        if req.transfer is not None and not req.transfer.done():
+            req.aborted = req.aborted or error
+            req.transfer.cancel()
+            return  # _reap_aborted finishes it
         if self.lookahead is not None:
             self.lookahead.settle(req, insert=False)
         for queue in (self.prealloc, self.retracted, self.extend):

@@ -1,0 +1,208 @@
+"""Regression tests for the scheduler's race and failure windows (issue 11), on a tiny random-weight model.
+
+Each test reproduces one defect found by review and failed before its fix.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from decode_worker.cache.copy_engine import CopyEngine
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.pool import KVPool
+from decode_worker.engine.request import GenerateInput, RequestError
+from decode_worker.engine.scheduler import Scheduler
+from decode_worker.metrics import Metrics
+from decode_worker.model.loader import load_model
+from decode_worker.model.runner import ModelRunner
+from decode_worker.transfer.staging import run_page_copy
+from tests.unit.test_scheduler import GREEDY, run_all, settle
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Ten prompts sharing a 24-token prefix: together they outgrow a 160-token L1."""
+    rng = random.Random(5)
+    shared = [rng.randrange(320) for _ in range(24)]
+    return [shared + [rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, prompts) -> list[list[int]]:
+    """Outputs with L1 to spare: no retraction, no eviction."""
+    return asyncio.run(run_all(make(tiny_models["llama"], 4096, host_ratio=0), prompts))
+
+
+class StepEngine(CopyEngine):
+    """Copies run only when the test calls ``run`` (here: at the start of each scheduler step), so a copy queued
+    during a step is still in flight for the rest of that step, as a slow copy would be."""
+
+    def __init__(self, device: KVPool, host: KVPool):
+        super().__init__(device.buffer, host.buffer)
+        self.queue: deque = deque()
+
+    def load(self, host_pages, device_pages) -> Future:
+        return self._enqueue(self.host_buffer, self.device_buffer, host_pages, device_pages)
+
+    def backup(self, device_pages, host_pages) -> Future:
+        return self._enqueue(self.device_buffer, self.host_buffer, device_pages, host_pages)
+
+    def _enqueue(self, *args) -> Future:
+        future: Future = Future()
+        self.queue.append((future, args))
+        return future
+
+    def run(self) -> None:
+        while self.queue:
+            future, args = self.queue.popleft()
+            self._copy(*args)
+            future.set_result(None)
+
+
+class HeldEngine(CopyEngine):
+    """Copies wait in the copy thread while ``gate`` is closed; ``held`` records that one did."""
+
+    def __init__(self, device: KVPool, host: KVPool):
+        super().__init__(device.buffer, host.buffer)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = False
+
+    def _copy(self, *args) -> None:
+        if not self.gate.is_set():
+            self.held = True
+        assert self.gate.wait(10), "gate never opened"
+        super()._copy(*args)
+
+
+def make(path, max_total_tokens: int, engine_cls=None, host_ratio: float = 3.0, write_policy: str = "write_through",
+         kv_source=None) -> Scheduler:
+    loaded = load_model(path, dtype=torch.float64, tokenizer=False)
+    runner = ModelRunner(loaded, max_total_tokens, page_size=4)
+    host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
+    engine = engine_cls(runner.pool, host) if engine_cls and host else None
+    cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
+    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", radix=True,
+                     max_running=32, max_prefill_tokens=512, load_back_timeout_s=10, kv_source=kv_source)
+
+
+# -- defect 3: no retraction cascade while a retracted request's backup pins its pages ----------------------------
+
+
+def test_one_retraction_per_step_while_backups_pin_pages(tiny_models, prompts, reference):
+    scheduler = make(tiny_models["llama"], 160, StepEngine)
+    engine, step = scheduler.cache.engine, scheduler._step
+    retracted_at: Counter[int] = Counter()
+    retract = scheduler._retract
+
+    async def stepping() -> bool:
+        engine.run()
+        return await step()
+
+    def counting(req) -> None:
+        retracted_at[scheduler.steps] += 1
+        retract(req)
+
+    scheduler._step, scheduler._retract = stepping, counting
+    assert asyncio.run(run_all(scheduler, prompts)) == reference
+    assert retracted_at, "the test needs L1 to run out"
+    assert max(retracted_at.values()) == 1, f"retractions per step: {dict(retracted_at)}"
+    engine.run()
+    settle(scheduler)
+
+
+# -- defect 5: a step that ran no batch yields the event loop ----------------------------------------------------
+
+
+def test_loop_keeps_serving_while_requests_wait_for_a_copy(tiny_models):
+    """Under write_back a running request waits for a demotion copy to free the pages it needs; meanwhile the
+    event loop must go on serving (HTTP, SSE, UCX): a ticker task measures the longest stall."""
+    first, second = list(range(1, 101)), list(range(200, 252))  # 27 pages cached, then 13 (+3 to decode); L1: 40
+    expected = asyncio.run(run_all(make(tiny_models["llama"], 1024, host_ratio=0), [first, second]))
+    scheduler = make(tiny_models["llama"], 160, HeldEngine, write_policy="write_back")
+    engine = scheduler.cache.engine
+    gaps: list[float] = []
+
+    async def collect(stream) -> list[int]:
+        return [t for event in [e async for e in stream] for t in event.token_ids]
+
+    async def scenario():
+        scheduler.start()
+        out = [await collect(scheduler.submit(GenerateInput("first", first, GREEDY)))]
+        engine.gate.clear()  # the second request's growth must demote the first's pages: that copy is held
+        threading.Timer(0.6, engine.gate.set).start()
+        done = asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            return out + [await collect(scheduler.submit(GenerateInput("second", second, GREEDY)))]
+        finally:
+            done.set()
+            await ticker
+            await scheduler.stop(grace_s=0)
+
+    assert asyncio.run(scenario()) == expected
+    assert engine.held, "no copy was held: the test did not reach the window"
+    assert max(gaps) < 0.3, f"the event loop stalled for {max(gaps):.2f} s"
+    settle(scheduler)
+
+
+# -- defect 4: a step error frees PD delta pages only after the transfer task ended ------------------------------
+
+
+def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models):
+    writes: list[bool] = []  # for each page the "scatter" wrote: was it still allocated?
+    started, landed = threading.Event(), threading.Event()
+
+    def scatter(cache: HierarchicalCache, pages: list[int]) -> None:
+        started.set()
+        time.sleep(0.3)
+        writes.extend(bool(cache.device_alloc._in_use[p]) for p in pages)
+        landed.set()
+
+    async def kv_source(req, pages: torch.Tensor):
+        await run_page_copy(1 << 30, scatter, scheduler.cache, pages.tolist())
+        return 0, 0.0
+
+    scheduler = make(tiny_models["llama"], 160, host_ratio=0, kv_source=kv_source)
+    check_loading, broken = scheduler._check_loading, []
+
+    def failing_once() -> None:
+        live = [r for r in scheduler.loading if r.transfer is not None and not r.transfer.done()]
+        if live and started.is_set() and not broken:
+            broken.append(True)
+            raise RuntimeError("injected scheduler bug")
+        check_loading()
+
+    scheduler._check_loading = failing_once
+
+    async def scenario():
+        scheduler.start()
+        stream = scheduler.submit(GenerateInput("pd", list(range(1, 30)), GREEDY))
+        events = [e async for e in stream]
+        await asyncio.to_thread(landed.wait, 5)
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+        await scheduler.stop(grace_s=0)
+        return events
+
+    events = asyncio.run(scenario())
+    assert broken and writes, "the injected error or the scatter did not happen"
+    assert isinstance(events[0].error, RequestError) and events[0].error.status == 500
+    assert all(writes), "the transfer wrote into pages the scheduler had already freed"
+    settle(scheduler)
