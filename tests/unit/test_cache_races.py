@@ -186,3 +186,47 @@ def test_lookahead_settled_while_the_store_answers_takes_no_l2_pages():
         return out
 
     assert asyncio.run(scenario()) == 0
+
+
+# -- gaps that mutation testing found (mutmut over radix_tree.py) -------------------------------------------------
+
+
+def test_a_request_hitting_part_of_a_node_still_loading_waits_for_that_load(hc):
+    """Another request matches only the head of a node whose load-back is in flight: the split that gives it its
+    own node must keep the head waiting on the load, or it reads L1 pages before their data arrived."""
+    cache, dev, host = hc(device_pages=20)
+    run(cache, dev, PROMPT)
+    cache.drain()
+    cache.evict_device(100)
+    cache.engine.gate.clear()
+    whole = start(cache, PROMPT)  # restores all 5 pages; the copy is held
+    head = start(cache, PROMPT[:4] + (9, 9))  # 2 of those pages, then its own
+    assert head.prefix_tokens == 4 and head.waits, "the head of a loading node does not wait for its load"
+    assert not head.ready()
+    cache.engine.gate.set()
+    finish(cache, dev, PROMPT[:4] + (9, 9), head)
+    finish(cache, dev, PROMPT, whole)
+    assert_quiescent(cache)
+
+
+def test_a_match_older_than_two_tree_changes_is_redone(hc):
+    """The tree's version must move on with every change, not just differ from its start value."""
+    cache, dev, _ = hc(device_pages=20, host_pages=None)
+    run(cache, dev, PROMPT[:4])
+    run(cache, dev, (5, 5, 5, 5))
+    match = cache.match(PROMPT)
+    assert match.device_hit_tokens == 4
+    cache.evict_device(100)  # both prompts leave the tree: two changes
+    h = cache.load_back_and_lock(match, extra_pages=5)
+    assert h.prefix_tokens == 0, "a stale match was used after the tree changed"
+    cache.release(h)
+    assert_quiescent(cache)
+
+
+def test_split_refuses_a_cut_at_either_end(hc):
+    cache, dev, _ = hc()
+    run(cache, dev, PROMPT)
+    node = node_of(cache, PROMPT)
+    for pages in (0, 5):
+        with pytest.raises(AssertionError):
+            cache.tree.split(node, pages)
