@@ -41,13 +41,19 @@ class ServerConfig:
     ucx_host: str = _opt("address prefill workers use to reach this decode worker's UCX listener", "127.0.0.1")
     ucx_port: int = _opt("UCX listener port for control and peer liveness (0 picks a free port)", 0)
     bootstrap_port: int | None = _opt("prefill handshake port used when a request's bootstrap_port is null")
-    pd_token: str = _opt("shared secret checked in the PD handshake", "")
+    pd_token: str = _opt("shared secret of a prefill/decode pair, sent in the handshake's X-PD-Token header", "")
+    api_key: str = _opt("require 'Authorization: Bearer <key>' on every route but /health, /health_generate and "
+                        "/metrics (prefer the environment variable: flags show in ps)", "")
+    max_request_body_bytes: int = _opt("largest request body accepted; a larger one gets 413", 32 * 1024 * 1024)
+    max_concurrent_requests: int = _opt("most requests in flight on the generation routes; past it they get 503 "
+                                        "with Retry-After", 1024)
     handshake_timeout_s: float = _opt("deadline for the PD handshake HTTP call", 30.0)
     transfer_timeout_s: float = _opt("deadline for the delta-KV transfer after the handshake", 30.0)
     kv_lease_s: float = _opt("prefill keeps a finished request's KV this long for its decode peer", 60.0)
     load_back_timeout_s: float = _opt("deadline for an L2->L1 load-back", 30.0)
-    disaggregation_decode_enable_radix_cache: bool = _opt("reuse cached prefixes on the decode worker", False)
-    disaggregation_decode_enable_hicache: bool = _opt("add the L2 host tier (needs the radix cache)", False)
+    disaggregation_decode_enable_radix_cache: bool = _opt("reuse cached prefixes on the decode role (colocated and "
+                                                          "prefill always do: there the flag is accepted as is)", False)
+    disaggregation_decode_enable_hicache: bool = _opt("add the L2 host tier, on any role (needs the radix flag)", False)
     disaggregation_decode_hicache_ratio: float = _opt("L2 size as a multiple of L1", 3.0)
     disaggregation_decode_hicache_size: float = _opt("L2 size in GB (overrides the ratio)", 0.0)
     disaggregation_decode_hicache_write_policy: WritePolicy = _opt("when pages are backed up to L2", "write_through")
@@ -70,6 +76,11 @@ class ServerConfig:
             raise ConfigError(
                 "--disaggregation-decode-enable-hicache requires --disaggregation-decode-enable-radix-cache"
             )
+        for name in ("api_key", "pd_token"):  # both travel in HTTP headers
+            if not all(" " < c <= "~" for c in getattr(self, name)):
+                raise ConfigError(f"{_flag(name)} must be printable ASCII without spaces")
+        if self.max_request_body_bytes < 1 or self.max_concurrent_requests < 1:
+            raise ConfigError("--max-request-body-bytes and --max-concurrent-requests must be at least 1")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of {self.page_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -71,6 +71,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp folder)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--no-hicache", action="store_true", help="decode worker with the radix cache only")
+    parser.add_argument("--api-key", default=os.environ.get("DECODE_WORKER_API_KEY", ""),
+                        help="require 'Authorization: Bearer <key>' at the router and both workers "
+                             "(env DECODE_WORKER_API_KEY, which keeps it out of the workers' command lines)")
+
+
+def router_auth(api_key: str) -> list[str]:
+    """sglang-router's --api-key: it then requires the key from clients and sends it to the workers on its own
+    calls (/server_info, /model_info) as on forwarded requests. It has no environment variable for it."""
+    return ["--api-key", api_key] if api_key else []
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -80,6 +89,7 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("DECODE_WORKER_PD_TOKEN", secrets.token_hex(16))
+    env["DECODE_WORKER_API_KEY"] = args.api_key  # the workers read it from here; empty leaves them open
     common = ["--host", args.host, "--max-total-tokens", str(args.max_total_tokens), "--page-size", str(args.page_size)]
     if args.model_path:
         common += ["--model-path", args.model_path]
@@ -97,12 +107,13 @@ def run_up(args: argparse.Namespace) -> int:
         dep.start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                              "--prefill", prefill_url, str(args.prefill_port),
                              "--decode", f"http://{args.host}:{args.decode_port}",
-                             "--host", args.host, "--port", str(args.port)], env)
+                             "--host", args.host, "--port", str(args.port)] + router_auth(args.api_key), env)
         dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
         url = f"http://{args.host}:{args.port}"
         print(f"PD deployment ready: router {url}, prefill {prefill_url}, decode http://{args.host}:{args.decode_port}")
         print(f"logs: {log_dir}")
-        print(f"try:\n  curl -s {url}/generate -H 'content-type: application/json' "
+        auth = " -H \"Authorization: Bearer $DECODE_WORKER_API_KEY\"" if args.api_key else ""
+        print(f"try:\n  curl -s {url}/generate{auth} -H 'content-type: application/json' "
               "-d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'",
               flush=True)
         dep.watch()

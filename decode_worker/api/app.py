@@ -9,14 +9,35 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from decode_worker.api.detokenize import IncrementalText
 from decode_worker.api.errors import error_body, error_response, install_error_handlers, parse_body
+from decode_worker.api.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES, GENERATE_EXAMPLES, HANDSHAKE_EXAMPLES
+from decode_worker.api.guard import RequestGuard
+from decode_worker.api.openapi import declare_models, json_body
+from decode_worker.api.responses import (
+    STREAM_CHUNKS,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    FlushResult,
+    GenerateChunk,
+    GenerateOutput,
+    HandshakeAccepted,
+    Load,
+    ModelInfo,
+    ModelList,
+    errors,
+    sse_content,
+)
 from decode_worker.api.schemas import (
     BootstrapFields,
     ChatCompletionRequest,
     CompletionRequest,
+    ContentPart,
     GenerateRequest,
     HandshakeRequest,
     OpenAISampling,
@@ -25,11 +46,13 @@ from decode_worker.api.schemas import (
 from decode_worker.engine.request import Bootstrap, GenerateInput, RequestError, RequestStream, TokenEvent
 from decode_worker.engine.sampling import SamplingParams
 from decode_worker.engine.sequence import trim_stop_string
+from decode_worker.transfer.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
 
 if TYPE_CHECKING:
     from decode_worker.engine.engine import Engine
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -45,7 +68,32 @@ def _bootstrap(body: BootstrapFields, i: int, default_port: int | None) -> Boots
     port = port if port is not None else default_port
     if port is None:
         raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
-    return Bootstrap(host, int(port), int(room))
+    return Bootstrap(_url_host(host), int(port), int(room))
+
+
+def _url_host(host: str) -> str:
+    """A raw IPv6 address goes in brackets in the handshake URL."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
+    """A list-valued field gives one value per prompt: one of another length is refused (400 naming it) rather
+    than pairing a prompt with another prompt's room, or failing on a missing entry."""
+    for name in fields:
+        value = getattr(body, name)
+        if isinstance(value, list) and len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompt{'s' if n != 1 else ''}")
+
+
+def _message_text(content: str | list[ContentPart] | None) -> str | None:
+    """OpenAI content parts joined into one text; a part a text model cannot read is refused, not dropped."""
+    if not isinstance(content, list):
+        return content
+    other = sorted({p.type for p in content} - {"text"})
+    if other:
+        raise RequestError(f"messages: content parts of type {', '.join(map(repr, other))} are not supported "
+                           "(text parts only)")
+    return "".join(p.text or "" for p in content)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -54,8 +102,9 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 def _sglang_params(p: SGLangSamplingParams) -> SamplingParams:
     stop = _stop_list(p.stop)
-    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
+    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                          top_k=p.top_k, seed=p.seed, stop=stop, stop_token_ids=list(p.stop_token_ids or []),
+                          ignore_eos=p.ignore_eos)
 
 
 def _new_text(text: str, sent: str, finished: bool) -> str:
@@ -72,8 +121,8 @@ def _openai_params(body: OpenAISampling, max_tokens: int) -> SamplingParams:
     if getattr(body, "echo", False) or getattr(body, "logprobs", None):
         raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
     stop = _stop_list(body.stop)
-    return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
+    return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
                           ignore_eos=body.ignore_eos)
 
 
@@ -116,8 +165,17 @@ class _Collected:
 
 
 def create_app(engine: "Engine") -> FastAPI:
+    cfg = engine.config
     app = FastAPI(title="decode-worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
+                       max_concurrent=cfg.max_concurrent_requests)
+    auth = (401,) if cfg.api_key else ()
+    transfer = (502, 504) if cfg.role == "decode" else ()  # the prefill peer failed or missed a deadline
+    generation_errors = errors(400, *auth, 409, 413, 503, *transfer)
+    # A null bootstrap_port names prefill's handshake port: --bootstrap-port on a decode worker, while a prefill
+    # worker (which gets the same body from the router) serves the handshake itself, on its own port.
+    default_port = cfg.bootstrap_port if cfg.role == "decode" else cfg.port
 
     def text_of(c: _Collected) -> str:
         """Streamed text while running; the exact full decode, cut at a matched stop string, once finished."""
@@ -186,7 +244,8 @@ def create_app(engine: "Engine") -> FastAPI:
         return engine.tokenizer.encode(text)
 
     # ---- SGLang native ----
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=json_body(GenerateRequest, GENERATE_EXAMPLES),
+              responses={200: {"model": GenerateOutput, "content": sse_content(GenerateChunk)}, **generation_errors})
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
         engine.require_ready()
@@ -194,13 +253,14 @@ def create_app(engine: "Engine") -> FastAPI:
         texts = body.text if isinstance(body.text, list) else [body.text]
         ids = body.input_ids if batched and body.input_ids else [body.input_ids]
         n = len(texts) if body.text is not None else len(ids)
+        _per_prompt(body, BOOTSTRAP + ("sampling_params", "rid", "return_logprob"), n)
         inputs = []
         for i in range(n):
             sp = _pick(body.sampling_params, i) or SGLangSamplingParams()
             rid = _pick(body.rid, i) or uuid.uuid4().hex
             prompt = encode(texts[i] if body.text is not None else None, ids[i] if body.text is None else None)
             inputs.append(GenerateInput(rid, prompt, _sglang_params(sp), bool(_pick(body.return_logprob, i)),
-                                        _bootstrap(body, i, engine.config.bootstrap_port)))
+                                        _bootstrap(body, i, default_port)))
         for inp in inputs:
             engine.check_request(inp)
 
@@ -231,17 +291,20 @@ def create_app(engine: "Engine") -> FastAPI:
     def finish(c: _Collected) -> str | None:
         return None if c.finish_reason is None else c.finish_reason["type"]
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest, COMPLETION_EXAMPLES),
+              responses={200: {"model": CompletionResponse, "content": sse_content(CompletionChunk)},
+                         **generation_errors})
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         engine.require_ready()
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [body.prompt]
+        _per_prompt(body, BOOTSTRAP, len(prompts))
         params = _openai_params(body, body.max_tokens)
         inputs = []
         for i, p in enumerate(prompts):
             prompt = encode(p, None) if isinstance(p, str) else list(p)
             rid = f"{body.rid or 'cmpl-' + uuid.uuid4().hex}" + (f"-{i}" if len(prompts) > 1 else "")
-            inputs.append(GenerateInput(rid, prompt, params, False, _bootstrap(body, i, engine.config.bootstrap_port)))
+            inputs.append(GenerateInput(rid, prompt, params, False, _bootstrap(body, i, default_port)))
         for inp in inputs:
             engine.check_request(inp)
         created, model = int(time.time()), engine.model_name
@@ -264,21 +327,21 @@ def create_app(engine: "Engine") -> FastAPI:
 
         return StreamingResponse(sse_wrap(events()), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest, CHAT_EXAMPLES),
+              responses={200: {"model": ChatCompletionResponse, "content": sse_content(ChatCompletionChunk)},
+                         **generation_errors})
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         engine.require_ready()
-        messages = [m.model_dump() for m in body.messages]
-        for m in messages:
-            if isinstance(m["content"], list):  # OpenAI content parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+        _per_prompt(body, BOOTSTRAP, 1)
+        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise RequestError(str(e)) from e
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
         rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
-        inp = GenerateInput(rid, prompt, _openai_params(body, max_tokens), False, _bootstrap(body, 0, engine.config.bootstrap_port))
+        inp = GenerateInput(rid, prompt, _openai_params(body, max_tokens), False, _bootstrap(body, 0, default_port))
         engine.check_request(inp)
         created, model = int(time.time()), engine.model_name
         if not body.stream:
@@ -305,57 +368,71 @@ def create_app(engine: "Engine") -> FastAPI:
 
         return StreamingResponse(sse_wrap(events()), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(*auth, 503)})
     async def models():
         engine.require_ready()
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": engine.started_at,
                                             "owned_by": "decode-worker", "max_model_len": engine.model_config.max_context}]}
 
     # ---- operations ----
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "ready"}, **errors(503)})
     async def health():
         if not engine.ready:
             return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response,
+             responses={200: {"description": "one token went through the scheduler"}, **errors(503)})
     async def health_generate():
         if not engine.ready:
             return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
         await engine.health_generate()
         return Response(status_code=200)
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    info = {200: {"description": "configuration (secrets left out), model, KV layout and cache figures",
+                  "content": {"application/json": {"schema": {"type": "object"}}}}, **errors(*auth)}
+
+    @app.get("/server_info", responses=info)
+    @app.get("/get_server_info", responses=info)
     async def server_info():
         return engine.server_info()
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @app.get("/model_info", responses={200: {"model": ModelInfo}, **errors(*auth, 503)})
+    @app.get("/get_model_info", responses={200: {"model": ModelInfo}, **errors(*auth, 503)})
     async def model_info():
         engine.require_ready()
         return {"model_path": engine.model_path, "served_model_name": engine.model_name,
                 "tokenizer_path": engine.model_path, "is_generation": True,
                 "max_context": engine.model_config.max_context}
 
-    @app.get("/get_load")
+    @app.get("/get_load", responses={200: {"model": Load}, **errors(*auth)})
     async def get_load():
         return engine.get_load()
 
-    @app.post("/flush_cache")
-    @app.get("/flush_cache")
+    @app.post("/flush_cache", responses={200: {"model": FlushResult}, **errors(*auth, 413, 503)})
+    @app.get("/flush_cache", responses={200: {"model": FlushResult}, **errors(*auth, 503)})
     async def flush_cache():
         dropped = engine.flush_cache()
         return {"success": True, "message": f"cache flushed: {dropped} tokens dropped", "dropped_tokens": dropped}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    if engine.config.role == "prefill":
-        @app.post("/v1/pd/handshake")
+    if cfg.role == "prefill":
+        from decode_worker.transfer.prefill_side import check_pd_token  # loads UCX: prefill role only
+
+        token_header = {"name": PD_TOKEN_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "the pair's --pd-token; required when this worker has one, refused when not"}
+
+        body_and_header = {**json_body(HandshakeRequest, HANDSHAKE_EXAMPLES), "parameters": [token_header]}
+
+        @app.post(HANDSHAKE_PATH, openapi_extra=body_and_header,
+                  responses={200: {"model": HandshakeAccepted}, **errors(400, 401, 404, 409, 413, 503)})
         async def handshake(request: Request):
-            body = await parse_body(request, HandshakeRequest)
+            body = await parse_body(request, HandshakeRequest)  # first, so an old peer hears its body is refused
+            check_pd_token(cfg.pd_token, request.headers.get(PD_TOKEN_HEADER))
             return JSONResponse(await engine.handshake(body))
 
+    declare_models(app, [GenerateRequest, CompletionRequest, ChatCompletionRequest, HandshakeRequest, *STREAM_CHUNKS])
     return app

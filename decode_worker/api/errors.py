@@ -13,12 +13,18 @@ from starlette.exceptions import HTTPException
 from decode_worker.engine.request import RequestError
 
 
+RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy
+
+
 def error_body(message: str, status: int, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def error_response(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, status, kind), status_code=status)
+def error_response(message: str, status: int, kind: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+    return JSONResponse(error_body(message, status, kind), status_code=status, headers=headers)
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -37,11 +43,29 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         raise RequestError(_describe(e)) from e
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """Pydantic puts the union member an error is about ('list[str]', 'SGLangSamplingParams') in its path."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[-"))
+
+
 def _describe(exc: RequestValidationError | ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    """One clause per field, from its deepest errors: for a union field that is the member the input came
+    closest to (``sampling_params.temperature: ...`` rather than ``sampling_params: should be a list``)."""
+    fields: dict[object, tuple[int, dict[str, None]]] = {}
+    for err in exc.errors():
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(str(p) for p in loc if not _is_union_tag(p))
+        key = loc[0] if loc else ""
+        depth, clauses = fields.get(key, (-1, {}))
+        clause = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+        if len(loc) > depth:
+            fields[key] = (len(loc), {clause: None})
+        elif len(loc) == depth:
+            clauses[clause] = None
+    parts = ["; or ".join(clauses) for _, clauses in list(fields.values())[:5]]
     return "invalid request body: " + "; ".join(parts)
 
 

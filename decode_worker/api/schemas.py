@@ -1,39 +1,83 @@
-"""Request bodies of the SGLang- and OpenAI-compatible routes. Unknown fields are ignored."""
+"""Request bodies of the SGLang- and OpenAI-compatible routes and of the PD handshake. Unknown fields are ignored."""
 from __future__ import annotations
 
-from typing import Any
+import base64
+import binascii
+import ipaddress
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from decode_worker.transfer.handshake import PD_TOKEN_HEADER
+from decode_worker.transfer.wire import PeerAddress
+
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _is_ip(text: str, version: int | None = None) -> bool:
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return version is None or address.version == version
+
+
+def _check_host(host: str) -> str:
+    """A hostname, an IP address or a bracketed IPv6 one: the decode worker builds the handshake URL from it, so
+    nothing that could change the URL's meaning (``/``, ``@``, ``?``) may pass."""
+    bracketed = host.startswith("[") and host.endswith("]") and _is_ip(host[1:-1], 6)
+    if not (bracketed or _is_ip(host) or _HOSTNAME.fullmatch(host)):
+        raise ValueError(f"{host!r} is not a hostname or an IP address")
+    return host
+
+
+# The router draws rooms as random u64; the transfer protocol carries them as such.
+Room = Annotated[int, Field(ge=0, le=2**64 - 1)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Host = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]-]+$"), AfterValidator(_check_host)]
+# What sampling can take; top_k 0 (neither off nor a count) is refused by the engine's own check.
+Temperature = Annotated[float, Field(ge=0)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=-1)]
+MaxTokens = Annotated[int, Field(ge=1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a torch generator can be seeded with
+# A prompt is never empty, nor is a batch of them.
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Texts = Annotated[list[Text], Field(min_length=1)]
+TokenIdBatch = Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinity (Python's JSON reader takes them) have no meaning in any field and poison sampling.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class BootstrapFields(_Lenient):
     """Added by a PD router: where the prefill peer is and which transfer room this request uses."""
 
-    bootstrap_host: str | list[str | None] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int | None] | None = None
+    bootstrap_host: Host | list[Host | None] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room | None] | None = None
 
 
 class SGLangSamplingParams(_Lenient):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: MaxTokens = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(default=None, alias="sampling_seed")
+    seed: Seed | None = Field(default=None, alias="sampling_seed")
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
 
 class GenerateRequest(BootstrapFields):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: Text | Texts | None = None
+    input_ids: TokenIds | TokenIdBatch | None = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
@@ -44,44 +88,69 @@ class OpenAISampling(BootstrapFields):
     """Sampling fields shared by the completions and chat routes (plus SGLang's extras top_k, ignore_eos)."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     rid: str | None = None
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
+    prompt: Text | Texts | TokenIds | TokenIdBatch
+    max_tokens: MaxTokens = 16
     logprobs: int | None = None
     echo: bool = False
 
 
+class ContentPart(_Lenient):
+    """One part of an OpenAI message's content; a text model can serve only ``text`` parts."""
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Lenient):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
 
 
-class HandshakeRequest(_Lenient):
-    """Decode -> prefill: what the decode side holds and where to push the rest."""
+def _check_push_address(address: str) -> str:
+    """Refuse at the door what the sender could never connect to."""
+    try:
+        PeerAddress.unpack(base64.b64decode(address, validate=True))
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"not a base64 push address of a decode worker: {e}") from None
+    return address
 
-    room: int
-    decode_prefix_len: int
-    prompt_len: int
+
+class HandshakeRequest(_Lenient):
+    """Decode -> prefill: what the decode side holds and where to push the rest. The PD token travels in the
+    X-PD-Token header, never in the body (bodies end up in logs and proxies' traces)."""
+
+    room: Room
+    decode_prefix_len: int = Field(ge=0)
+    prompt_len: int = Field(ge=1)
     prompt_digest: str
-    ucx_address: str  # base64 UCX worker address of the decode side
+    ucx_address: Annotated[str, AfterValidator(_check_push_address)]  # base64 PeerAddress of the decode side
     layout: dict[str, Any]
-    token: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_in_body(cls, data: Any) -> Any:
+        """An older decode worker still sends ``token`` in the body: say so rather than ignore it."""
+        if isinstance(data, dict) and "token" in data:
+            raise ValueError(f"field 'token' is not accepted in the handshake body: send the PD token in the "
+                             f"{PD_TOKEN_HEADER} header")
+        return data

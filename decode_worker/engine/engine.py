@@ -42,6 +42,9 @@ def cache_metrics(stats: dict) -> dict:
     }
 
 
+SECRETS = ("api_key", "pd_token")  # config fields server_info never shows
+
+
 class Engine:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -194,7 +197,7 @@ class Engine:
 
     def server_info(self) -> dict:
         cfg = self.config
-        info = {k: v for k, v in vars(cfg).items() if k != "pd_token"}
+        info = {k: v for k, v in vars(cfg).items() if k not in SECRETS}
         if cfg.hicache_storage_url:  # a redis://user:password@host URL must not leak through the API
             info["hicache_storage_url"] = re.sub(r"//[^@/]*@", "//***@", cfg.hicache_storage_url)
         info.update(served_model_name=self.model_name, model_path=self.model_path, version="0.1.0", ready=self.ready)

@@ -1,9 +1,12 @@
 """Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+GREEDY_BELOW = 1e-5  # a temperature this close to 0 is greedy: dividing logits by it would overflow them into NaN
 
 
 @dataclass
@@ -21,8 +24,8 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -30,7 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 @dataclass

@@ -53,3 +53,51 @@ def test_server_info_hides_secrets():
 
     info = Engine(ServerConfig(pd_token="tok", hicache_storage_url="redis://user:pw@10.0.0.1:6379")).server_info()
     assert "pd_token" not in info and "pw" not in info["hicache_storage_url"]
+
+
+def test_api_key_and_limits(monkeypatch):
+    cfg = parse([])
+    assert (cfg.api_key, cfg.max_request_body_bytes, cfg.max_concurrent_requests) == ("", 32 * 1024 * 1024, 1024)
+    cfg = parse(["--max-concurrent-requests", "3"], monkeypatch, {"DECODE_WORKER_API_KEY": "k1",
+                                                                  "DECODE_WORKER_MAX_REQUEST_BODY_BYTES": "100"})
+    assert (cfg.api_key, cfg.max_request_body_bytes, cfg.max_concurrent_requests) == ("k1", 100, 3)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+    (["--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+    (["--api-key", "kéy"], "--api-key must be printable ASCII"),
+    (["--pd-token", "a b"], "--pd-token must be printable ASCII"),
+])
+def test_bad_guard_settings_are_refused(argv, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse(argv)
+
+
+@pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
+def test_cache_flags_mean_the_same_on_every_role(role):
+    """Prefill and colocated always have the radix cache: the radix flag is accepted there (it asks for what is
+    on), and the hicache flag keeps its rule (radix flag required) and its effect (an L2 tier) on every role."""
+    cfg = parse(["--role", role, "--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache"])
+    assert cfg.radix_cache and cfg.disaggregation_decode_enable_hicache
+    with pytest.raises(ConfigError, match="--disaggregation-decode-enable-hicache requires "
+                                          "--disaggregation-decode-enable-radix-cache"):
+        parse(["--role", role, "--disaggregation-decode-enable-hicache"])
+
+
+def test_hicache_flag_builds_the_host_tier_on_the_prefill_role(tmp_path):
+    from decode_worker.engine.engine import Engine
+    from tests.tiny_model import save_tiny_chat_model
+
+    model = str(save_tiny_chat_model(tmp_path / "tiny"))
+    flags = ["--role", "prefill", "--model-path", model, "--max-total-tokens", "256"]
+    with_l2 = Engine(parse(flags + ["--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache"]))
+    without = Engine(parse(flags))
+    for engine in (with_l2, without):
+        engine.load_model()
+    try:
+        assert with_l2.cache.stats()["host"]["total"] > 0
+        assert "host" not in without.cache.stats()
+    finally:
+        for engine in (with_l2, without):
+            engine.cache.close()

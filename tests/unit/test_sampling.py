@@ -65,3 +65,17 @@ def test_finish_reasons():
     s = _seq(SamplingParams(), [7])
     check_finish(s, eos, 4, lambda ids: "")
     assert s.finish_reason["type"] == "length"
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_temperature_must_be_finite_and_not_negative(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=temperature).validate()
+
+
+def test_a_temperature_next_to_zero_is_greedy():
+    """Dividing logits by 1e-300 overflows them to inf and the sampler would fail the whole batch with NaN."""
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=0)]
+    result = sample(logits, params, [None, None])
+    assert result.token_ids == logits.argmax(-1).tolist()

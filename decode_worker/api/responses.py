@@ -1,0 +1,207 @@
+"""What each route answers, declared for the OpenAPI schema so clients and the schema fuzz tests can hold the
+server to it. These models document; the routes build their answers as plain dicts."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, RootModel
+
+from decode_worker.api.errors import RETRY_AFTER_S
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class CachedTokens(BaseModel):
+    device: int
+    host: int
+    storage: int
+
+
+class GenerateMeta(BaseModel):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokens
+    output_token_logprobs: list[list[Any]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMeta
+
+
+class GenerateOutput(RootModel[GenerateResponse | list[GenerateResponse]]):
+    """One answer per prompt: a list when the body was batched."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ChatUsage(Usage):
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str
+    is_generation: bool
+    max_context: int
+
+
+class Load(BaseModel):
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+    num_running_reqs: int | None = None
+    max_total_tokens: int | None = None
+
+
+class FlushResult(BaseModel):
+    success: bool
+    message: str
+    dropped_tokens: int
+
+
+class HandshakeAccepted(BaseModel):
+    status: str
+    room: int
+    tokens: int
+    nbytes: int
+
+
+class GenerateChunk(GenerateResponse):
+    index: int | None = None  # which prompt of a batched body
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+
+
+STREAM_CHUNKS = [GenerateChunk, CompletionChunk, ChatCompletionChunk]
+
+
+def sse_content(chunk: type[BaseModel]) -> dict[str, Any]:
+    """``stream: true``: each event's data is a JSON ``chunk`` or, mid-stream, an error; then ``[DONE]``."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
+
+_RETRY_AFTER = {"Retry-After": {"description": f"seconds to wait before retrying ({RETRY_AFTER_S})", "required": True,
+                                "schema": {"type": "string"}}}
+_WHY = {
+    400: "bad request: the message names the field",
+    401: "missing or wrong credentials",
+    404: "unknown transfer room",
+    409: "conflict: a request id already running, or a KV layout or prompt that differs between the PD peers",
+    413: "request body larger than --max-request-body-bytes",
+    502: "the prefill peer failed or refused the KV transfer",
+    503: "not ready or shutting down, or (generation routes) past --max-concurrent-requests",
+    504: "the prefill peer missed a deadline",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses for these error statuses, all in the one error shape (503 with Retry-After)."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        out[status] = {"model": ErrorResponse, "description": _WHY[status]}
+        if status == 503:
+            out[status]["headers"] = _RETRY_AFTER
+    return out

@@ -1,0 +1,56 @@
+"""`decode-worker up` as a user runs it (router, prefill, decode), open and behind an API key.
+
+With a key, the router must carry it to both workers (requests, batched PD bodies, the router's own calls) and
+refuse clients without it; the workers must refuse callers that skip the router without it.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import free_port, start
+from tests.tiny_model import save_tiny_chat_model
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.mark.parametrize("key", ["", "up-key-0123"], ids=["open", "api-key"])
+def test_up(tmp_path, tiny_chat_model, key):
+    router, prefill, decode = (free_port() for _ in range(3))
+    cmd = [sys.executable, "-m", "decode_worker.cli", "up", "--model-path", str(tiny_chat_model),
+           "--port", str(router), "--prefill-port", str(prefill), "--decode-port", str(decode),
+           "--max-total-tokens", "4096", "--log-dir", str(tmp_path / "logs")]
+    proc = start("up", cmd, f"http://127.0.0.1:{router}", tmp_path, env={"DECODE_WORKER_API_KEY": key}, timeout_s=300)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        batched = httpx.post(proc.url + "/generate", headers=headers, timeout=120,
+                             json={"input_ids": [[5, 6, 7, 8], [9, 10]], "sampling_params": GREEDY})
+        assert batched.status_code == 200, batched.text
+        assert [len(o["output_ids"]) for o in batched.json()] == [4, 4]
+
+        from openai import OpenAI
+
+        client = OpenAI(base_url=proc.url + "/v1", api_key=key or "none", max_retries=0)
+        chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3, temperature=0)
+        assert chat.usage.completion_tokens == 3
+        assert client.completions.create(model="default", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
+
+        worker_load = httpx.get(f"http://127.0.0.1:{decode}/get_load", timeout=10)
+        if key:
+            refused = httpx.post(proc.url + "/generate", json={"text": "Hi"}, timeout=30)
+            assert refused.status_code == 401 and "missing API key" not in refused.text  # the router's own 401
+            assert worker_load.status_code == 401  # skipping the router does not skip the key
+            assert httpx.get(f"http://127.0.0.1:{decode}/get_load", headers=headers, timeout=10).status_code == 200
+        else:
+            assert worker_load.status_code == 200
+    finally:
+        proc.stop()
