@@ -18,7 +18,7 @@ import torch
 from decode_worker.config import ServerConfig
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
-from decode_worker.transfer.handshake import HANDSHAKE_PATH, prompt_digest
+from decode_worker.transfer.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, prompt_digest
 from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_receiver import KVReceiver
 from decode_worker.transfer.wire import TransferError
@@ -59,6 +59,7 @@ class DeltaKVFetcher:
             try:
                 await self._handshake(boot, prefix, prompt)  # answers once prefill holds the room's KV
                 started = time.monotonic()
+                self.receiver.set_deadline(boot.room, self.config.transfer_timeout_s)  # the push's own deadline
                 trailer = await received
             except TransferError as e:
                 raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"
@@ -76,6 +77,14 @@ class DeltaKVFetcher:
         self.metrics.kv_transfer.observe(time.monotonic() - started)
         return trailer.first_token, trailer.logprob
 
+    def _auth_headers(self) -> dict[str, str]:
+        """The pair's PD token in its header (never in the body), and our API key: the prefill worker of one
+        deployment shares it (one sglang-router --api-key serves all workers)."""
+        headers = {PD_TOKEN_HEADER: self.config.pd_token} if self.config.pd_token else {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
     async def _handshake(self, boot, prefix: int, prompt: list[int]) -> None:
         body = {
             "room": boot.room,
@@ -84,11 +93,10 @@ class DeltaKVFetcher:
             "prompt_digest": prompt_digest(prompt),
             "ucx_address": base64.b64encode(self.receiver.push_address(boot.room)).decode(),
             "layout": self.pool.layout.describe(),
-            "token": self.config.pd_token,
         }
         url = f"http://{boot.host}:{boot.port}{HANDSHAKE_PATH}"
         try:
-            resp = await self.http.post(url, json=body)
+            resp = await self.http.post(url, json=body, headers=self._auth_headers())
         except httpx.TimeoutException as e:
             raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
         except httpx.HTTPError as e:

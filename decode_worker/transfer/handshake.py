@@ -12,3 +12,4 @@ def prompt_digest(token_ids: list[int]) -> str:
 
 
 HANDSHAKE_PATH = "/v1/pd/handshake"
+PD_TOKEN_HEADER = "X-PD-Token"  # the shared secret of a prefill/decode pair; a header keeps it out of body logs

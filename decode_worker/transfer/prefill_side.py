@@ -18,7 +18,7 @@ import torch
 from decode_worker.api.schemas import HandshakeRequest
 from decode_worker.engine.request import RequestError
 from decode_worker.metrics import Metrics
-from decode_worker.transfer.handshake import prompt_digest
+from decode_worker.transfer.handshake import PD_TOKEN_HEADER, prompt_digest
 from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_sender import KVSender
 from decode_worker.transfer.wire import TransferError, Trailer
@@ -30,6 +30,24 @@ if TYPE_CHECKING:
     from decode_worker.engine.scheduler import Req, Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def check_pd_token(expected: str, given: str | None) -> None:
+    """The handshake's X-PD-Token header against our --pd-token, compared in constant time.
+
+    A token on one side only is refused as well as a wrong one: it means the pair was configured apart, and
+    either way the message says which side lacks it.
+    """
+    if not expected and not given:
+        return
+    if not expected:
+        raise RequestError(f"this prefill worker has no --pd-token but the handshake carries {PD_TOKEN_HEADER}: "
+                           "give both workers the same --pd-token, or neither", 401, "unauthorized")
+    if not given:
+        raise RequestError(f"missing {PD_TOKEN_HEADER} header: this prefill worker has a --pd-token; give the "
+                           "decode worker the same one", 401, "unauthorized")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise RequestError(f"{PD_TOKEN_HEADER} does not match this prefill worker's --pd-token", 401, "unauthorized")
 
 
 @dataclass
@@ -79,8 +97,7 @@ class KVHandoff:
         return self.leases.pop(room, None)
 
     async def handshake(self, body: HandshakeRequest) -> dict:
-        if not hmac.compare_digest(body.token.encode(), self.config.pd_token.encode()):
-            raise RequestError("PD token mismatch", 401, "unauthorized")
+        """The caller has checked the PD token (``check_pd_token``)."""
         layout = self.pool.layout
         diff = layout.differences(body.layout)
         if diff:

@@ -131,6 +131,15 @@ class KVReceiver:
             r.receiving = self._spawn(self._receive(r))
         return r.result
 
+    def set_deadline(self, room: int, deadline_s: float) -> None:
+        """Fail ``room`` with ``timeout`` ``deadline_s`` from now instead of at its ``expect()`` deadline, unless
+        it settles first: the transfer's own deadline starts when the sender accepted it, so a sender that
+        accepted and then went silent is given up on after that deadline, not the handshake's too."""
+        r = self._rooms.get(room)
+        if r is not None and r.error is None:  # a failing room's timer is its drain grace: leave it
+            r.timer.cancel()
+            r.timer = asyncio.get_running_loop().call_later(deadline_s, self._fail, r, "timeout")
+
     def cancel(self, room: int) -> None:
         """Give up on ``room``: its future fails with reason ``cancelled`` once its buffer is free."""
         if (r := self._rooms.get(room)) is not None:
