@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # one name="value" pair of a Prometheus sample
 
 
 def free_port() -> int:
@@ -45,20 +48,24 @@ class Proc:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of a metric's samples whose labels include ``labels``."""
+    def metric(self, name: str, *, default: float | None = None, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``. Raises LookupError when there is none, so a
+        renamed metric or label fails the test instead of reading as 0. ``default`` is for a labelled counter
+        that may not have counted yet (a reading taken before the event): it says so at the call site."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        total = 0.0
+        values = []
         for line in text.splitlines():
             if line.startswith("#") or not line.startswith(name):
                 continue
             series, value = line.rsplit(" ", 1)
             metric, _, label_text = series.partition("{")
-            if metric != name:
-                continue
-            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                total += float(value)
-        return total
+            if metric == name and labels.items() <= dict(_LABEL.findall(label_text)).items():
+                values.append(float(value))
+        if not values:
+            if default is not None:
+                return default
+            raise LookupError(f"{self.name} exports no sample of {name} with labels {labels}")
+        return sum(values)
 
 
 def start(name: str, cmd: list[str], url: str, log_dir: Path, env: dict[str, str] | None = None,

@@ -71,16 +71,19 @@ def test_openai_routes_with_the_official_client(deployment):
 
 
 def test_shared_prefix_is_reused_with_identical_output(deployment, no_cache_llm):
+    """The second request reuses the first one's prefix; both answers, the cached one above all, equal a
+    cache-free run."""
     _, decode, router = deployment
-    text = SYSTEM + "Question: what is two plus two?"
-    first = generate(router, text)
+    texts = [SYSTEM + "Question: what is two plus two?", SYSTEM + "Question: what is three plus three?"]
+    first = generate(router, texts[0])
     before = decode.metric("decode_worker_kv_received_tokens_total")
-    second = generate(router, SYSTEM + "Question: what is three plus three?")
+    second = generate(router, texts[1])
     received = decode.metric("decode_worker_kv_received_tokens_total") - before
     assert second["meta_info"]["cached_tokens"] > 0
     assert received == second["meta_info"]["prompt_tokens"] - second["meta_info"]["cached_tokens"]
-    ref = no_cache_llm.generate([text], SamplingParams(**GREEDY))[0]
-    assert first["output_ids"] == ref.output_ids
+    refs = no_cache_llm.generate(texts, SamplingParams(**GREEDY))
+    assert first["output_ids"] == refs[0].output_ids
+    assert second["output_ids"] == refs[1].output_ids
 
 
 def test_host_tier_hits_with_outputs_equal_to_cache_off(deployment, no_cache_llm):

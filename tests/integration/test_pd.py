@@ -62,7 +62,9 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
     assert a["output_ids"] == reference(colocated, text_a)
     assert decode.metric("decode_worker_kv_received_tokens_total") - before == a["meta_info"]["prompt_tokens"]
     transfer, ttft = (decode.metric(m) - v for m, v in waits.items())
-    assert 0 < transfer < ttft / 3  # the transfer alone: the wait for prefill's compute is in TTFT, not in it
+    # The transfer alone: the wait for prefill's compute is in TTFT, not in it (it was ~all of TTFT when it was).
+    # Half, not less: on a loaded 2-core machine the scatter thread waits for a core and the ratio reached 0.4.
+    assert 0 < transfer < ttft / 2
 
     before = decode.metric("decode_worker_kv_received_tokens_total")
     b = pd_generate(prefill, decode, {"text": text_b, "sampling_params": GREEDY}, next(rooms)).json()

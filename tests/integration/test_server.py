@@ -36,6 +36,40 @@ def test_generate_plain_and_cached_repeat(server):
     wait_pages_free(server)
 
 
+def greedy_ids(server, input_ids: list[int], max_new_tokens: int) -> dict:
+    body = {"input_ids": input_ids, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    r = post(server, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_conversation_continuation_on_a_page_boundary_matches_a_cache_free_run(server):
+    """A follow-up turn (earlier prompt + its answer + more) after an earlier turn that ends exactly on a
+    16-token page boundary: that last page holds the last sampled token, whose KV was never computed, so it must
+    not be reused. The follow-up must equal the same prompt run on an empty cache."""
+    text = post(server, "/generate", {"text": LONG + "Tell me", "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                                                    "ignore_eos": True}}).json()
+    earlier, more = text["output_ids"], text["output_ids"][:8]  # model-written text as the conversation
+    wait_pages_free(server)
+    assert post(server, "/flush_cache", {}).json()["success"] is True
+    answer = greedy_ids(server, earlier, 16 + -(len(earlier) + 16) % 16)["output_ids"]
+    assert (len(earlier) + len(answer)) % 16 == 0
+    follow_up = earlier + answer + more
+    cached = greedy_ids(server, follow_up, 16)
+    assert cached["meta_info"]["cached_tokens"] >= (len(earlier) + len(answer) - 1) // 16 * 16
+    wait_pages_free(server)
+    assert post(server, "/flush_cache", {}).json()["success"] is True
+    fresh = greedy_ids(server, follow_up, 16)
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert cached["output_ids"] == fresh["output_ids"]
+    assert logprobs(cached) == pytest.approx(logprobs(fresh), abs=1e-3)
+
+
 def test_generate_batch_input_ids_and_logprobs(server):
     body = {"input_ids": [[1, 504, 3575], [1, 504]], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
             "return_logprob": True}

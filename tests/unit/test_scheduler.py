@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
+from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
 from decode_worker.engine.llm import LLM
 from decode_worker.engine.request import GenerateInput, RequestError
 from decode_worker.engine.sampling import SamplingParams
-from decode_worker.engine.scheduler import Scheduler
+from decode_worker.engine.scheduler import KVSource, Req, Scheduler
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
@@ -20,13 +21,16 @@ from decode_worker.model.runner import ModelRunner
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through") -> Scheduler:
+def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through", *,
+                   engine: type[CopyEngine] = CopyEngine, kv_source: KVSource | None = None, max_running: int = 32) -> Scheduler:
+    """A float64 scheduler with 4-token pages; ``engine`` lets a test hold copies, ``kv_source`` makes it PD decode."""
     loaded = load_model(path, dtype=torch.float64, tokenizer=False)
     runner = ModelRunner(loaded, max_total_tokens, page_size=4)
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
-    cache = HierarchicalCache(runner.pool, host, write_policy=write_policy)
+    copies = engine(runner.pool.buffer, host.buffer) if host is not None else None
+    cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=copies)
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", radix=True,
-                     max_running=32, max_prefill_tokens=512, load_back_timeout_s=10)
+                     max_running=max_running, max_prefill_tokens=512, load_back_timeout_s=10, kv_source=kv_source)
 
 
 async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dict | None = None, first_alone=False,
@@ -63,11 +67,18 @@ async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dic
 
 
 def settle(scheduler: Scheduler) -> None:
+    """With no request live and no copy in flight, every page and lock the requests took is back."""
     cache = scheduler.cache
     cache.drain()
     cache.check_invariants(request_pages=0)
+    locked = [n for n in cache.tree.nodes() if n.lock_ref]
+    assert not locked, f"lock refs left: {locked}"
     stats = cache.stats()
     assert stats["device"]["locked"] == 0 and stats["device"]["used"] == 0
+    for tier in ("device", "host"):
+        if tier in stats:
+            pages = stats[tier]
+            assert pages["free"] + pages["used"] + pages["evictable"] + pages["locked"] == pages["total"], (tier, pages)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +89,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, prompts):
-    llm = LLM(str(tiny_models["llama"]), max_total_tokens=4096, page_size=4, dtype=torch.float64, load_tokenizer=False)
-    return [o.output_ids for o in llm.generate(prompts, GREEDY)]
+def offline(tiny_models) -> LLM:
+    """The cache-free reference engine (float64, so greedy picks do not flip on rounding)."""
+    return LLM(str(tiny_models["llama"]), max_total_tokens=4096, page_size=4, dtype=torch.float64, load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def reference(offline, prompts):
+    return [o.output_ids for o in offline.generate(prompts, GREEDY)]
 
 
 def test_continuous_batching_matches_offline_generation(tiny_models, prompts, reference):
@@ -116,13 +132,85 @@ def test_requests_sharing_a_prefix_at_once_keep_one_copy(tiny_models, prompts, r
     settle(scheduler)
 
 
+async def answer(scheduler: Scheduler, rid: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """One greedy request's tokens and logprobs; raises the error it failed with."""
+    ids, logprobs = [], []
+    async for event in scheduler.submit(GenerateInput(rid, prompt, GREEDY)):
+        if event.error is not None:
+            raise event.error
+        ids += event.token_ids
+        logprobs += event.logprobs
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("prompt_len", [19, 20, 21])
+def test_conversation_continuation_matches_a_cache_free_run(tiny_models, offline, prompt_len):
+    """A follow-up turn (earlier prompt + its answer + more text) reuses the earlier request's pages. With 12
+    output tokens the earlier turn ends one token before, exactly on, or one token after a page boundary; on
+    the boundary the last page holds the last sampled token, whose KV was never computed: caching that page
+    would hand the follow-up a garbage slot. Logprobs are compared too (float64: a cached prefix changes them
+    by rounding only), since one bad slot among thirty does not always flip a greedy pick."""
+    rng = random.Random(prompt_len)
+    earlier = [rng.randrange(320) for _ in range(prompt_len)]
+    more = [rng.randrange(320) for _ in range(5)]
+    scheduler, fresh = make_scheduler(tiny_models["llama"], 4096), make_scheduler(tiny_models["llama"], 4096)
+
+    async def converse() -> tuple[list[int], tuple, tuple]:
+        scheduler.start()
+        fresh.start()
+        try:
+            first, _ = await answer(scheduler, "turn-1", earlier)
+            prompt = earlier + first + more
+            return first, await answer(scheduler, "turn-2", prompt), await answer(fresh, "alone", prompt)
+        finally:
+            await scheduler.stop(grace_s=0)
+            await fresh.stop(grace_s=0)
+
+    first, (follow_up, logprobs), (_, fresh_logprobs) = asyncio.run(converse())
+    assert first == offline.generate([earlier], GREEDY)[0].output_ids
+    assert follow_up == offline.generate([earlier + first + more], GREEDY)[0].output_ids
+    assert logprobs == pytest.approx(fresh_logprobs, abs=1e-6)
+    computed = prompt_len + len(first) - 1  # the last answer token was sampled, never run through the model
+    assert scheduler.metrics.cached_tokens.labels("device")._value.get() >= computed // 4 * 4  # the pages were reused
+    settle(scheduler)
+
+
+def watch_resumptions(scheduler: Scheduler) -> list[tuple[int, int, int]]:
+    """Per resumption of a retracted request: (tokens in full pages computed when it was retracted, prefix tokens
+    it found cached on resuming, of which restored from L2). Filled in as the scheduler runs."""
+    retracted: dict[str, list[int]] = {}
+    seen: list[tuple[int, int, int]] = []
+    retract, try_alloc, ps = scheduler._retract, scheduler._try_alloc, scheduler.page_size
+
+    def watched_retract(req: Req) -> None:
+        retracted.setdefault(req.rid, []).append(req.seq.num_computed // ps * ps)
+        retract(req)
+
+    def watched_try_alloc(req: Req) -> bool:
+        ok = try_alloc(req)
+        if ok and retracted.get(req.rid):
+            seen.append((retracted[req.rid].pop(0), req.prefix_pages * ps, req.handle.restored_tokens))
+        return ok
+
+    scheduler._retract, scheduler._try_alloc = watched_retract, watched_try_alloc
+    return seen
+
+
 @pytest.mark.parametrize("host_ratio,policy", [(0.0, "write_through"), (3.0, "write_through"), (3.0, "write_back")])
 def test_retraction_resumes_with_identical_output(tiny_models, prompts, reference, host_ratio, policy):
     """An L1 too small for all ten at once retracts (to L2 when there is one) and resumes them; under
-    write_back, evicted pages drain to L2 while requests wait for them."""
+    write_back, evicted pages drain to L2 while requests wait for them. With L2 a resumed request gets back
+    the KV it had computed (restored from L2, not recomputed)."""
     scheduler = make_scheduler(tiny_models["llama"], 160, host_ratio, policy)
+    resumptions = watch_resumptions(scheduler)
     assert asyncio.run(run_all(scheduler, prompts)) == reference
     assert scheduler.metrics.retractions._value.get() > 0
+    assert resumptions, "no retracted request resumed"
+    if host_ratio:
+        recomputed = [(had, found) for had, found, _ in resumptions if found < had]
+        assert not recomputed, f"resumed requests recomputed KV they had (tokens had, found): {recomputed}"
+        restored = sum(r for _, _, r in resumptions)
+        assert restored > 0 and scheduler.cache.counters.loaded_back >= restored
     settle(scheduler)
 
 
