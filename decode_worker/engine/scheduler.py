@@ -299,7 +299,7 @@ class Scheduler:
         req.handle = None
         req.retries += 1
         if req.retries > 2:
-            self._fail(req, RequestError("KV load-back failed repeatedly", 500, "internal_error"))
+            self._fail(req, RequestError("restoring the cached prefix from L2 failed repeatedly", 503, "unavailable"))
         else:
             self.prealloc.appendleft(req)
 
