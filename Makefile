@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup system-deps run generate test test-all bench clean
+.PHONY: setup system-deps run generate test test-all mutation bench clean
 
 setup: $(VENV)/.installed
 
@@ -33,8 +33,12 @@ test: setup system-deps
 test-all:
 	$(MAKE) test PYTEST_ARGS=""
 
+# Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.
+mutation: setup
+	$(VENV)/bin/mutmut run --max-children 2; $(VENV)/bin/mutmut results
+
 bench: setup
 	$(PY) bench/bench_decode.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis mutants
