@@ -80,7 +80,6 @@ class MatchResult:
     device_hit_tokens: int
     host_hit_tokens: int
     device_indices: torch.Tensor  # L1 pages of the device hit
-    last_device_node: TreeNode
     restore_nodes: list[TreeNode]  # host-only nodes after the device hit, in path order
     version: int  # tree version at match time; a stale match is redone by load_back_and_lock
 
@@ -192,14 +191,13 @@ class HierarchicalCache:
         path, tail = self.tree.match(key)
         ps = self.page_size
         dev_parts, restore = [], []
-        last_device, device_pages, host_pages = self.tree.root, 0, 0
+        device_pages, host_pages = 0, 0
         for i, node in enumerate(path):
             pages = tail if i == len(path) - 1 else self.tree.num_pages(node)
             if node.on_device and not restore:
                 full = pages == self.tree.num_pages(node)
                 dev_parts.append(node.device_indices if full else node.device_indices[:pages])
                 device_pages += pages
-                last_device = node
             elif node.on_host and not node.on_device:
                 restore.append(node)
                 host_pages += pages
@@ -213,7 +211,6 @@ class HierarchicalCache:
             device_hit_tokens=device_pages * ps,
             host_hit_tokens=host_pages * ps,
             device_indices=_cat(dev_parts),
-            last_device_node=last_device,
             restore_nodes=restore,
             version=self.tree.version,
         )
