@@ -29,6 +29,16 @@ if TYPE_CHECKING:
     from decode_worker.engine.scheduler import Req
 
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
+HANDSHAKE_KEEPALIVE_S = 1.0
+"""How long an idle connection to a prefill worker is kept for the next handshake; well under the server's."""
+
+
+def handshake_client(timeout_s: float) -> httpx.AsyncClient:
+    """HTTP client for handshakes. A pooled connection reused just as prefill closes it as idle fails a healthy
+    peer's handshake before prefill reads it (httpx and uvicorn both keep idle connections 5 s), so ours are
+    dropped long before the server's."""
+    return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
+        max_connections=100, max_keepalive_connections=20, keepalive_expiry=HANDSHAKE_KEEPALIVE_S))
 
 
 class DeltaKVFetcher:
@@ -37,7 +47,7 @@ class DeltaKVFetcher:
         self.pool = pool
         self.receiver = receiver
         self.metrics = metrics
-        self.http = httpx.AsyncClient(timeout=config.handshake_timeout_s)
+        self.http = handshake_client(config.handshake_timeout_s)
         self.staging = StagingPool()  # received KV lands in host memory, then is scattered into the pool
 
     async def close(self) -> None:
@@ -100,7 +110,7 @@ class DeltaKVFetcher:
         except httpx.TimeoutException as e:
             raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
         except httpx.HTTPError as e:
-            raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e}") from e
+            raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e!r}") from e
         if resp.status_code != 200:
             try:
                 detail = resp.json()["error"]["message"]

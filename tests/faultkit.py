@@ -1,0 +1,568 @@
+"""Fault injection over real processes: stub peers, a delaying TCP proxy, router-like PD traffic with client
+aborts, and the checks every fault must pass (health, no locked pages once idle, page accounting, greedy parity).
+
+``python -m tests.faultkit die-at-transfer N serve ...`` runs a prefill worker that SIGKILLs itself in the
+middle of its Nth KV push (the OFFER is out, the payload never leaves): the deterministic form of "prefill died
+mid-transfer", which a kill from outside hits only by luck because a push lasts milliseconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+from tests.servers import Proc, free_port, start
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A chat prompt is a system message (the shared prefix: whole KV pages every radix tree shares) and a question.
+# Each (system, question) pair below has a clear top-1 over top-2 logit gap (>= 0.1) along its first 16 greedy
+# tokens (``test_faults.py::test_prompt_set_has_clear_margins``), so batch-shape noise cannot flip a token.
+SYSTEMS = (
+    "You are a helpful assistant for a public library. Answer briefly and accurately, in one sentence, and never "
+    "invent facts you do not know.",
+    "You are a friendly geography teacher. Give short, correct answers that a ten year old can follow, and keep "
+    "every reply under twenty words.",
+    "You are a precise math tutor. Reply with the result first, then stop. Do not explain unless the student asks "
+    "for an explanation.",
+)
+QUESTIONS = (
+    "What is the capital of France?", "What is two plus two?", "What color is the sky on a clear day?",
+    "How many days are in a week?", "What is the largest ocean on Earth?", "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?", "Name the first month of the year.",
+)
+PROMPT_SET = ((0, 0), (0, 2), (0, 3), (0, 4), (0, 6), (0, 7), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5),
+              (1, 6), (1, 7), (2, 3), (2, 7))
+MAX_NEW_TOKENS = 16
+
+
+def chatml(system: int, question: int) -> str:
+    """The prompt as SmolLM2's chat template renders it (ChatML), sent as text: the worker's tokenizer keeps the
+    special tokens whole, so every prompt with one system message shares its pages."""
+    return (f"<|im_start|>system\n{SYSTEMS[system]}<|im_end|>\n<|im_start|>user\n{QUESTIONS[question]}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+# ---- the no-cache reference --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reference:
+    """Greedy outputs (temperature 0, ignore_eos, ``MAX_NEW_TOKENS``) of every prompt, computed without any
+    cached prefix; a shorter request's output must be a prefix of its reference."""
+
+    prompts: list[str]
+    outputs: list[list[int]]
+
+    def matches(self, prompt: int, output: list[int]) -> bool:
+        return bool(output) and output == self.outputs[prompt][: len(output)]
+
+
+def reference_from(worker: Proc) -> Reference:
+    """The prompt set through a worker that serves plain requests to the end (colocated, or prefill), cache
+    flushed first: one batch, so every prompt is computed from scratch in one extend, no prefix reused."""
+    prompts = [chatml(*sq) for sq in PROMPT_SET]
+    assert httpx.post(worker.url + "/flush_cache", timeout=30).status_code == 200
+    params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"text": prompts, "sampling_params": params}
+    r = httpx.post(worker.url + "/generate", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in r.json())
+    return Reference(prompts, [o["output_ids"] for o in r.json()])
+
+
+def prompt_margins(model_path: Path) -> list[float]:
+    """In-process, without any cache: the smallest top-1 minus top-2 logit gap along each prompt's greedy output."""
+    import torch
+
+    from decode_worker.engine.llm import LLM
+    from decode_worker.engine.sampling import SamplingParams
+
+    llm = LLM(str(model_path), max_total_tokens=4096)
+    prompts = [llm.tokenizer.encode(chatml(*sq)) for sq in PROMPT_SET]
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
+    outputs = [o.output_ids for o in llm.generate(prompts, params)]
+    margins, ps = [], llm.runner.page_size
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outputs):  # one pass over prompt + output: logits at every output position
+            seq = prompt + out[:-1]
+            pages = llm.allocator.alloc(-(-len(seq) // ps))
+            logits = llm.runner.forward(llm.runner.build_batch([seq], [0], [pages.tolist()], all_logits=True))
+            llm.allocator.free(pages)
+            top2 = logits[len(prompt) - 1:].topk(2, dim=-1)
+            same = top2.indices[:, 0].tolist() == out
+            margins.append(float((top2.values[:, 0] - top2.values[:, 1]).min()) if same else 0.0)
+    return margins
+
+
+# ---- peers and proxies written for the tests ---------------------------------------------------------------------
+
+class StubPrefill:
+    """A prefill peer that does everything but send: ``/generate`` answers at once, and the PD handshake is
+    either accepted like prefill accepts it (``accept``: 200 ``sending``, then no KV ever comes) or held open
+    without an answer (``hang``). Records when each handshake arrived, by room."""
+
+    def __init__(self, mode: str):
+        assert mode in ("accept", "hang")
+        self.mode, self.name = mode, f"stub-{mode}"
+        self.handshakes: dict[int, float] = {}
+        self._release = threading.Event()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._reply(200, {})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                if self.path == "/v1/pd/handshake":
+                    stub.handshakes[body["room"]] = time.monotonic()
+                    if stub.mode == "hang":
+                        stub._release.wait(600)
+                        return
+                    self._reply(200, {"status": "sending", "room": body["room"],
+                                      "tokens": body["prompt_len"] - body["decode_prefix_len"]})
+                else:  # what a router's prefill POST gets: prefill "finished" and holds nothing
+                    self._reply(200, {"text": "", "output_ids": [], "meta_info": {}})
+
+            def _reply(self, status: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class DelayProxy:
+    """TCP proxy to a loopback port that can hold every chunk it forwards for ``delay_s``: a store slower than
+    its deadline, without touching the store or the worker. An unreachable upstream closes the client side."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.delay_s = 0.0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self._open: set[socket.socket] = set()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            self._open |= {client, upstream}
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                self._open.discard(s)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for s in list(self._open):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class IdleCloser:
+    """An HTTP server that, like uvicorn when its keep-alive timer fires, drops a connection idle for
+    ``idle_s``, here at the moment the next request arrives on it: the race a client loses when it reuses a
+    connection exactly as the server gives up on it, made deterministic. Answers any other request with 200 {}."""
+
+    def __init__(self, idle_s: float = 5.0):
+        self.idle_s = idle_s
+        self.dropped = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as f:
+            idle_since = time.monotonic()
+            while f.readline():  # a request line
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                f.read(length)
+                if time.monotonic() - idle_since >= self.idle_s:
+                    self.dropped += 1
+                    return  # closed without an answer, after the request went out
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                idle_since = time.monotonic()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def start_victim_prefill(name: str, log_dir: Path, die_at: int, *flags: str, env: dict[str, str] | None = None) -> Proc:
+    """A real prefill worker that kills itself mid-way through its ``die_at``-th KV push (0: never)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.faultkit", "die-at-transfer", str(die_at), "serve", "--role", "prefill",
+           "--port", str(port), "--max-total-tokens", "8192", *flags]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return start(name, cmd, f"http://127.0.0.1:{port}", log_dir, {**(env or {}), "PYTHONPATH": path})
+
+
+def died_mid_transfer(proc: Proc) -> tuple[int, float] | None:
+    """(room, wall time) of the push a victim died in, from its log; None if it did not die that way."""
+    for line in proc.log.read_text(errors="replace").splitlines():
+        if line.startswith("faultkit: SIGKILL mid-transfer"):
+            fields = dict(kv.split("=") for kv in line.split()[3:])
+            return int(fields["room"]), float(fields["at"])
+    return None
+
+
+def _die_at_transfer(n: int) -> None:
+    """Patch the prefill's sender: the ``n``-th payload lets its OFFER go out, then the process dies."""
+    import contextvars
+
+    from decode_worker.transfer import ucx_sender
+
+    room_of_send: contextvars.ContextVar[int] = contextvars.ContextVar("room")  # the payload task inherits it
+    send, send_payload, count = ucx_sender.KVSender.send, ucx_sender._send_payload, itertools.count(1)
+
+    async def send_in_room(self, push_address: bytes, room: int, *args, **kwargs) -> None:
+        room_of_send.set(room)
+        await send(self, push_address, room, *args, **kwargs)
+
+    async def payload_or_death(bulk, buf, tag: int) -> None:
+        if next(count) == n:
+            await asyncio.sleep(0.05)  # the OFFER, spawned after this task, is sent meanwhile
+            print(f"faultkit: SIGKILL mid-transfer room={room_of_send.get()} at={time.time()}", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        await send_payload(bulk, buf, tag)
+
+    ucx_sender.KVSender.send, ucx_sender._send_payload = send_in_room, payload_or_death
+
+
+# ---- router-like traffic -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Peer:
+    """A prefill endpoint requests may bootstrap from (a real worker or a stub): its URL and handshake port."""
+
+    name: str
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @classmethod
+    def of(cls, proc: Proc | StubPrefill) -> Peer:
+        return cls(proc.name, proc.url)
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it. ``status`` None: the client gave up (an abort) or never got an answer."""
+
+    decode: str
+    peer: str
+    prompt: int
+    mode: str
+    room: int
+    n: int
+    started: float
+    ended: float = 0.0
+    status: int | None = None
+    message: str = ""
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def latency(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def aborted(self) -> bool:
+        return self.mode.startswith("abort") and self.status is None
+
+
+@dataclass
+class Mix:
+    """What traffic looks like in one episode. Weights need not sum to one."""
+
+    decodes: list[Proc]
+    peers: dict[Peer, float]
+    concurrency: int = 8
+    max_new_tokens: tuple[int, int] = (4, 8)
+    modes: dict[str, float] = field(
+        default_factory=lambda: {"full": 5, "stream": 3, "abort_early": 1, "abort_stream": 1})
+    timeout_s: float = 90.0
+
+
+async def one_request(client: httpx.AsyncClient, mix: Mix, ref: Reference, rng: random.Random,
+                      prompt: int | None = None) -> Outcome:
+    """Do what a PD router does (the same body to prefill and decode at once), as the mode says."""
+    decode = rng.choice(mix.decodes)
+    peer = rng.choices(list(mix.peers), weights=list(mix.peers.values()))[0]
+    mode = rng.choices(list(mix.modes), weights=list(mix.modes.values()))[0]
+    prompt = rng.randrange(len(ref.prompts)) if prompt is None else prompt
+    n = rng.randint(*mix.max_new_tokens)
+    room = rng.getrandbits(63)
+    body = {"text": ref.prompts[prompt], "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": peer.port, "bootstrap_room": room}
+    out = Outcome(decode.name, peer.name, prompt, mode, room, n, time.monotonic())
+    prefill = asyncio.ensure_future(client.post(peer.url + "/generate", json=body, timeout=mix.timeout_s))
+    try:
+        if mode == "abort_early":  # gone at a random point, often before the KV arrived
+            await asyncio.wait_for(_call(client, decode.url, body, out, stream=False, timeout=mix.timeout_s),
+                                   rng.uniform(0.05, 1.5))
+        else:
+            await _call(client, decode.url, body, out, stream=mode != "full", timeout=mix.timeout_s,
+                        stop_after=rng.randint(1, 3) if mode == "abort_stream" else None)
+    except (asyncio.TimeoutError, httpx.HTTPError) as e:
+        out.message = out.message or repr(e)
+    out.ended = out.ended or time.monotonic()
+    try:
+        await prefill
+    except httpx.HTTPError:
+        pass  # a killed or stalled prefill is what some episodes are about
+    return out
+
+
+async def _call(client: httpx.AsyncClient, url: str, body: dict, out: Outcome, stream: bool, timeout: float,
+                stop_after: int | None = None) -> None:
+    if not stream:
+        r = await client.post(url + "/generate", json=body, timeout=timeout)
+        out.ended, out.status = time.monotonic(), r.status_code
+        data = r.json()
+        if r.status_code == 200:
+            out.output = data["output_ids"]
+        else:
+            out.message = data["error"]["message"]
+        return
+    chunks = 0
+    async with client.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=timeout) as r:
+        if r.status_code != 200:
+            out.ended, out.status = time.monotonic(), r.status_code
+            out.message = json.loads(await r.aread())["error"]["message"]
+            return
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                out.ended, out.status = time.monotonic(), 200
+                return
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:  # a failure after the stream started arrives as its last event
+                out.status, out.message = event["error"]["code"], event["error"]["message"]
+                out.ended = time.monotonic()
+                return
+            out.output = event["output_ids"]
+            chunks += 1
+            unfinished = len(out.output) < body["sampling_params"]["max_new_tokens"]
+            if stop_after is not None and chunks >= stop_after and unfinished:
+                out.ended = time.monotonic()
+                out.message = f"client left after {chunks} chunks"
+                return  # leaving the block closes the connection mid-stream
+    out.message = "the stream ended without [DONE]"
+
+
+async def run_traffic(mix: Mix, ref: Reference, seed: int, stop: asyncio.Event) -> list[Outcome]:
+    """``mix.concurrency`` clients sending requests back to back until ``stop`` is set."""
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=4 * mix.concurrency + 8, max_keepalive_connections=2 * mix.concurrency)
+
+    async def client_loop(rng: random.Random) -> None:
+        while not stop.is_set():
+            out = await one_request(client, mix, ref, rng)
+            outcomes.append(out)
+            if out.status != 200 and not out.aborted:
+                await asyncio.sleep(0.2)  # a dead peer fails at once: do not spin on it
+
+    async with httpx.AsyncClient(limits=limits) as client:
+        await asyncio.gather(*(client_loop(random.Random(seed * 1000 + i)) for i in range(mix.concurrency)))
+    return outcomes
+
+
+# ---- checks ------------------------------------------------------------------------------------------------------
+
+STATES = ("free", "used", "evictable", "locked")
+
+
+def cache_pages(proc: Proc) -> dict[str, dict[str, int]]:
+    """Pages per tier and state (plus ``total``) from /server_info."""
+    cache = httpx.get(proc.url + "/server_info", timeout=10).json()["cache"]
+    return {tier: cache[tier] for tier in ("device", "host") if tier in cache}
+
+
+def metric_pages(proc: Proc) -> dict[str, dict[str, int]]:
+    """``decode_worker_cache_pages{tier,state}`` from /metrics."""
+    pages: dict[str, dict[str, int]] = {}
+    for line in httpx.get(proc.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("decode_worker_cache_pages{"):
+            labels, value = line[len("decode_worker_cache_pages{"):].split("} ")
+            kv = dict(part.split("=") for part in labels.split(","))
+            pages.setdefault(kv["tier"].strip('"'), {})[kv["state"].strip('"')] = int(float(value))
+    return pages
+
+
+def wait_idle(proc: Proc, timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
+    """Until the worker has no live request, no locked page in any tier and no request-owned L1 page."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = httpx.get(proc.url + "/get_load", timeout=10).json()
+        pages = cache_pages(proc)
+        if load["num_reqs"] == 0 and pages["device"]["used"] == 0 and all(t["locked"] == 0 for t in pages.values()):
+            return pages
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{proc.name} not idle after {timeout_s}s: load {load}, pages {pages}\n"
+                                 f"{proc.tail(30)}")
+        time.sleep(0.25)
+
+
+def assert_accounting(proc: Proc) -> dict[str, dict[str, int]]:
+    """In every tier free + used + evictable + locked == total, and /metrics says what /server_info says."""
+    pages = cache_pages(proc)
+    for tier, p in pages.items():
+        assert sum(p[s] for s in STATES) == p["total"], f"{proc.name} {tier}: {p}"
+    exported = metric_pages(proc)
+    assert exported == {tier: {s: p[s] for s in STATES} for tier, p in pages.items()}, (exported, pages)
+    return pages
+
+
+def assert_healthy(proc: Proc) -> None:
+    r = httpx.get(proc.url + "/health", timeout=10)
+    assert r.status_code == 200, f"{proc.name} /health {r.status_code}: {r.text}\n{proc.tail(30)}"
+
+
+async def probe(decode: Proc, peer: Peer, ref: Reference, prompts: list[int], n: int, seed: int) -> list[str]:
+    """Greedy outputs of fixed prompts, one at a time; returns a line per mismatch or failure."""
+    rng = random.Random(f"{seed}-{decode.name}")  # rooms unique per decode: probes run side by side
+    mix = Mix([decode], {peer: 1}, modes={"full": 1}, max_new_tokens=(n, n))
+    bad = []
+    async with httpx.AsyncClient() as client:
+        for i in prompts:
+            out = await one_request(client, mix, ref, rng, prompt=i)
+            if out.status != 200 or not ref.matches(i, out.output):
+                bad.append(f"{decode.name} probe {i}: {out.status} {out.message} {out.output} != {ref.outputs[i][:n]}")
+    return bad
+
+
+def check_worker(proc: Proc, idle_timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
+    """What must hold after every fault: healthy, idle with nothing locked, pages accounted for."""
+    assert_healthy(proc)
+    wait_idle(proc, idle_timeout_s)
+    return assert_accounting(proc)
+
+
+def log_errors(proc: Proc) -> list[str]:
+    """What a worker's log says went wrong inside it: ERROR records, and the exception line of each traceback."""
+    lines = proc.log.read_text(errors="replace").splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            found.append(next((l for l in lines[i + 1:] if l and not l[0].isspace()), line))
+        elif " ERROR " in line or line.startswith("ERROR"):
+            found.append(line)
+    return found
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    """Counts by status (``aborted`` for client aborts, ``none`` for no answer) and latency percentiles."""
+    statuses = Counter("aborted" if o.aborted else str(o.status).lower() for o in outcomes)
+    lat = sorted(o.latency for o in outcomes if o.status == 200)
+    return {"requests": len(outcomes), "status": dict(sorted(statuses.items())),
+            "p50_s": round(statistics.median(lat), 3) if lat else None,
+            "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None}
+
+
+def wrong_outputs(outcomes: list[Outcome], ref: Reference) -> list[str]:
+    """Every successful (or partially streamed) output must be a prefix of the reference: wrong KV derails it."""
+    return [f"{o.decode} prompt {o.prompt} room {o.room}: {o.output} != {ref.outputs[o.prompt][:len(o.output)]}"
+            for o in outcomes if o.output and not ref.matches(o.prompt, o.output)]
+
+
+def unexpected(outcomes: list[Outcome], faulty: set[str] = frozenset(), deadline_s: float = 0.0,
+               gone: set[str] = frozenset()) -> list[str]:
+    """Requests that broke the rules: only a request whose prefill peer is in ``faulty`` may fail, with a clear
+    502/504 within ``deadline_s``; one sent to a decode in ``gone`` (shutting down) may get 503 or no answer."""
+    bad = []
+    for o in outcomes:
+        if o.aborted or o.status == 200:
+            continue
+        if o.peer in faulty and o.status in (502, 504) and "prefill" in o.message and o.latency <= deadline_s:
+            continue
+        if o.decode in gone and (o.status == 503 or o.status is None):
+            continue
+        bad.append(f"{o.decode} via {o.peer} {o.mode} room {o.room}: {o.status} after {o.latency:.1f}s: {o.message}")
+    return bad
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] != "die-at-transfer":
+        print("usage: python -m tests.faultkit die-at-transfer N serve [decode-worker serve flags]", file=sys.stderr)
+        return 2
+    if int(argv[1]) > 0:
+        _die_at_transfer(int(argv[1]))
+    from decode_worker.cli import main
+
+    return main(argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
