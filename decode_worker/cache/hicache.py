@@ -217,14 +217,16 @@ class HierarchicalCache:
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
         """Lock the matched path, allocate L1 pages for the restore plus ``extra_pages`` (evicting in one batch),
-        and start the L2->L1 copy. Raises OutOfPages (or anything else) having taken nothing.
+        and start the L2->L1 copy. Raises OutOfPages (or anything else) having taken nothing. The handle's prefix
+        plus delta pages always come to ``match``'s hit plus ``extra_pages``, even when the match is redone.
 
         Finished copies are applied first, and the match is redone if the tree changed since it was taken: a
         failed load or demotion applied later, in the middle of this call, would change tiers it already chose.
         """
         self.poll()
         if match.version != self.tree.version:
-            match = self.match(match.key)
+            stale, match = match, self.match(match.key)
+            extra_pages += (stale.hit_tokens - match.hit_tokens) // self.page_size  # the same pages in all
         path = list(match.path)
         if path and match.tail_pages < self.tree.num_pages(path[-1]):
             path[-1] = self._split(path[-1], match.tail_pages)

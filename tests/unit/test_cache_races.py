@@ -230,3 +230,16 @@ def test_split_refuses_a_cut_at_either_end(hc):
     for pages in (0, 5):
         with pytest.raises(AssertionError):
             cache.tree.split(node, pages)
+
+
+def test_a_redone_match_that_shrank_still_gets_every_page_the_request_needs(hc):
+    """Found by the state machine: the caller sizes the delta from its match; when load_back_and_lock redoes a
+    stale match and finds less cached, the missing pages must come as delta pages, not go missing."""
+    cache, dev, _ = hc(device_pages=20, host_pages=None)
+    run(cache, dev, PROMPT)
+    match = cache.match(PROMPT)
+    cache.flush()
+    h = cache.load_back_and_lock(match, extra_pages=0)
+    assert h.prefix_tokens == 0 and h.delta_pages.numel() == 5
+    finish(cache, dev, PROMPT, h)
+    assert_quiescent(cache)
