@@ -13,7 +13,7 @@ import time
 import torch
 
 from decode_worker.engine.llm import LLM
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.embedded import ensure_default_model
 
 PROMPTS = [

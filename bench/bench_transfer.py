@@ -8,7 +8,7 @@ monotonic clock both processes share:
   process (what a decode request waits for);
 - acked: the sender got the receiver's DONE (when prefill may free its copy; one more control hop).
 
-Payloads and receive buffers are huge-page host buffers (``cache/host_memory.py``), as the staging pools
+Payloads and receive buffers are huge-page host buffers (``core/host_memory.py``), as the staging pools
 on both sides of PD lend them. The memcpy baseline is ``torch`` ``copy_`` of the same bytes between two
 such buffers within the sender process, one sample after each timed step, so both see the same machine
 (absolute speeds on a shared machine drift by 2-3x within minutes; the ratio is what
@@ -23,7 +23,7 @@ machine (medians 0.1-60 GB/s). For reference:
 
 ``pd_path`` rows time what a PD request waits for around the transfer too: prefill gathers the delta pages
 from its KV pool into a staging buffer, sends it, and decode scatters it into its own pool, each copy through
-``run_page_copy`` as ``prefill_side`` and ``decode_side`` do;
+``run_page_copy`` as ``pd/prefill.py`` and ``pd/decode.py`` do;
 from the gather's start to the scatter's end. The pools are host ``KVPool``s as the product makes them, of
 256 KB pages, the pages picked at random.
 
@@ -61,7 +61,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_worker.cache.host_memory import host_buffer  # noqa: E402
+from decode_worker.core.host_memory import host_buffer  # noqa: E402
 from decode_worker.cache.pool import KVLayout, KVPool  # noqa: E402
 from decode_worker.transfer import ucx_channel  # noqa: E402
 from decode_worker.transfer.ucx_receiver import KVReceiver  # noqa: E402

@@ -14,7 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from decode_worker.engine.llm import LLM
-    from decode_worker.engine.sampling import SamplingParams
+    from decode_worker.core.sampling import SamplingParams
     from decode_worker.model.embedded import ensure_default_model
 
     path = args.model_path or str(ensure_default_model())
@@ -32,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from decode_worker.api.server import serve
+    from decode_worker.server.server import serve
     from decode_worker.config import ConfigError, config_from_args
 
     try:

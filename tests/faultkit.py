@@ -89,7 +89,7 @@ def prompt_margins(model_path: Path) -> list[float]:
     import torch
 
     from decode_worker.engine.llm import LLM
-    from decode_worker.engine.sampling import SamplingParams
+    from decode_worker.core.sampling import SamplingParams
 
     llm = LLM(str(model_path), max_total_tokens=4096)
     prompts = [llm.tokenizer.encode(chatml(*sq)) for sq in PROMPT_SET]

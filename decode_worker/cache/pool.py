@@ -61,7 +61,7 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
-        # Not huge pages (see cache/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
+        # Not huge pages (see core/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
         # here runs at ~0.8 GB/s against ~4 GB/s for 4 KB ones, which would slow start-up by seconds for a pool
         # of a few GB (torch.zeros touches it all now, so requests never pay for the faults).
         self.buffer = torch.zeros(layout.pages_shape(num_pages), dtype=layout.dtype, device=self.device, pin_memory=pin_memory)

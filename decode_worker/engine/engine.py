@@ -11,15 +11,15 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
-from decode_worker.cache.storage import open_storage
 from decode_worker.config import ServerConfig
-from decode_worker.engine.request import GenerateInput, RequestError, RequestStream
-from decode_worker.engine.sampling import SamplingParams
-from decode_worker.engine.scheduler import Scheduler
+from decode_worker.core.request import GenerateInput, RequestError, RequestStream
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.wiring import open_storage
 from decode_worker.metrics import Metrics
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,13 @@ class Engine:
         cfg = self.config
         tok = self.tokenizer
         if cfg.role == "decode":
-            from decode_worker.transfer.decode_side import DeltaKVFetcher
+            from decode_worker.pd.decode import DeltaKVFetcher
             from decode_worker.transfer.ucx_receiver import KVReceiver
 
             receiver = await KVReceiver.start(cfg.ucx_host, cfg.ucx_port)
             self.fetcher = DeltaKVFetcher(cfg, self.runner.pool, receiver, self.metrics)
         elif cfg.role == "prefill":
-            from decode_worker.transfer.prefill_side import KVHandoff
+            from decode_worker.pd.prefill import KVHandoff
             from decode_worker.transfer.ucx_sender import KVSender
 
             self.handoff = KVHandoff(cfg, self.runner.pool, await KVSender.start(), self.metrics)

@@ -8,10 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from decode_worker.cache.pool import OutOfPages, PageAllocator
-from decode_worker.engine.sampling import SamplingParams, make_generator, sample
-from decode_worker.engine.sequence import Sequence, check_finish, check_fits, trim_stop_string
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import (
+    Sequence,
+    check_finish,
+    check_fits,
+    trim_stop_string,
+)
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.model.sampler import make_generator, sample
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A fresh buffer per transfer costs first-touch page faults: glibc serves blocks over 32 MB with a new mmap
 each time, and faulting one in runs at 1-2 GB/s here, slower than the UCX copy itself. So buffers are
 kept after a transfer and lent out again, best fit first, up to ``max_cached_bytes``. Host blocks are on
-huge pages (``cache/host_memory.py``): UCX's cross-process copy runs 1.4-1.7x faster between them.
+huge pages (``core/host_memory.py``): UCX's cross-process copy runs 1.4-1.7x faster between them.
 
 A buffer comes back only from a transfer that succeeded. After a failure a peer may, in the worst case,
 still be touching it (see ``KVReceiver``), so it is left to the garbage collector instead.
@@ -20,7 +20,7 @@ from math import prod
 
 import torch
 
-from decode_worker.cache.host_memory import host_buffer
+from decode_worker.core.host_memory import host_buffer
 
 MIN_BYTES = 1 << 20
 INLINE_COPY_BYTES = 2 << 20

@@ -16,11 +16,12 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from decode_worker.core.tasks import TaskSet
 
 from .ucx_channel import (
     Endpoint,
@@ -91,7 +92,7 @@ class KVReceiver:
         self._peers: list[_Peer] = []
         self._slots: list[Endpoint] = []
         self._drain: Endpoint | None = None  # where payloads we refuse are truncated away
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._closed = False
 
     @classmethod
@@ -128,7 +129,7 @@ class KVReceiver:
         r.result.add_done_callback(lambda f: f.cancelled() and self._fail(r, "cancelled"))
         self._rooms[room] = r
         if nbytes:
-            r.receiving = self._spawn(self._receive(r))
+            r.receiving = self._tasks.spawn(self._receive(r))
         return r.result
 
     def set_deadline(self, room: int, deadline_s: float) -> None:
@@ -158,8 +159,7 @@ class KVReceiver:
         for ep in [p.ep for p in self._peers] + self._slots + [self._drain]:
             close_endpoint(ep)  # also cancels pending truncations
         self._slots.clear()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=1)
+        await self._tasks.wait(timeout=1)
         for _ in range(100):  # connection handlers return once their endpoint is closed
             if not self._listener.active_clients:
                 break
@@ -237,7 +237,7 @@ class KVReceiver:
                 self._settle(r)
             return  # the OFFER settles the room when it comes
         if not r.consumed and r.offer is not None and r.error.reason != "peer_lost":
-            self._spawn(self._truncate(r.tag))  # the payload still comes; take it off the sender
+            self._tasks.spawn(self._truncate(r.tag))  # the payload still comes; take it off the sender
         self._settle(r)
 
     def _fail(self, r: _Room, reason: str, detail: str = "") -> None:
@@ -277,7 +277,7 @@ class KVReceiver:
     def _refuse(self, peer: _Peer, offer: Msg, reason: str) -> None:
         self._reply(peer, offer, Kind.REJECT, reason)
         if offer.nbytes:
-            self._spawn(self._truncate(offer.tag))
+            self._tasks.spawn(self._truncate(offer.tag))
 
     async def _truncate(self, tag: int) -> None:
         """Match a payload we will not keep with a 1-byte receive: UCX drops it, the sender is released."""
@@ -289,10 +289,5 @@ class KVReceiver:
     # -- plumbing -----------------------------------------------------------------------------------
 
     def _reply(self, peer: _Peer, to: Msg, kind: Kind, reason: str = "") -> None:
-        self._spawn(send_quietly(peer.ep, Msg(kind, to.room, to.xfer, reason=reason).pack()))
+        self._tasks.spawn(send_quietly(peer.ep, Msg(kind, to.room, to.xfer, reason=reason).pack()))
 
-    def _spawn(self, coro: Coroutine) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+
+from decode_worker.core.tasks import TaskSet
 
 from .ucx_channel import (
     Endpoint,
@@ -53,7 +55,7 @@ class KVSender:
     def __init__(self) -> None:
         self._links: dict[tuple[str, int, bytes], asyncio.Task[_Link]] = {}
         self._xfers = itertools.count(1)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._closed = False
 
     @classmethod
@@ -85,8 +87,8 @@ class KVSender:
             raise TransferError(room, "peer_lost", "connection to the receiver lost")
         offer = Msg(Kind.OFFER, room, xfer, nbytes=buf.nbytes, tag=peer.tag, trailer=trailer)
         if buf.nbytes:  # first: its receive is already posted, the OFFER only has to arrive by the time it lands
-            self._spawn(_send_payload(link.bulk, buf, offer.tag))
-        self._spawn(send_quietly(link.ctrl, offer.pack()))  # a lost peer shows up as its verdict
+            self._tasks.spawn(_send_payload(link.bulk, buf, offer.tag))
+        self._tasks.spawn(send_quietly(link.ctrl, offer.pack()))  # a lost peer shows up as its verdict
         try:
             verdict = await _before(deadline, inbox.get())
         except asyncio.TimeoutError:
@@ -109,15 +111,15 @@ class KVSender:
                 task.cancel()
             elif not task.cancelled() and task.exception() is None:
                 _close_link(task.result())
-        if self._tasks:  # readers notice their closed endpoint; a payload toward a dead peer never completes
-            await asyncio.wait(list(self._tasks), timeout=0.2)
+        # Readers notice their closed endpoint; a payload toward a dead peer never completes.
+        await self._tasks.wait(timeout=0.2)
         self._links.clear()
         release()
 
     async def _abort(self, link: _Link, offer: Msg, inbox: asyncio.Queue[Msg], reason: str) -> Msg:
         """Tell the receiver we give up and wait for its verdict: after it, nothing reads our payload."""
         if not link.lost:
-            self._spawn(send_quietly(link.ctrl, Msg(Kind.ABORT, offer.room, offer.xfer, reason=reason).pack()))
+            self._tasks.spawn(send_quietly(link.ctrl, Msg(Kind.ABORT, offer.room, offer.xfer, reason=reason).pack()))
             try:
                 return await asyncio.wait_for(inbox.get(), ABORT_GRACE_S)
             except asyncio.TimeoutError:
@@ -145,7 +147,7 @@ class KVSender:
             close_endpoint(ctrl)
             raise
         link = _Link(ctrl, bulk)
-        self._spawn(self._read(peer.receiver, link))
+        self._tasks.spawn(self._read(peer.receiver, link))
         return link
 
     async def _read(self, receiver: tuple[str, int, bytes], link: _Link) -> None:
@@ -166,11 +168,6 @@ class KVSender:
                 inbox.put_nowait(Msg(Kind.REJECT, 0, xfer, reason="peer_lost"))
             _close_link(link)
 
-    def _spawn(self, coro: Coroutine) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
 
 def _close_link(link: _Link) -> None:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from decode_worker.engine.llm import LLM
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sampling import SamplingParams
 from tests.servers import start_router, start_worker, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "e2e-token"}

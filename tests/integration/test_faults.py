@@ -55,7 +55,7 @@ from tests.faultkit import (
     wait_idle,
     wrong_outputs,
 )
-from decode_worker.transfer.decode_side import handshake_client
+from decode_worker.pd.decode import handshake_client
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
 from tests.servers import Proc, free_port, start_worker
 

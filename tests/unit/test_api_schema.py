@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.api import app as api
-from decode_worker.api import examples
-from decode_worker.api.guard import OPEN_PATHS
-from decode_worker.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, HandshakeRequest
+from decode_worker.server import app as api
+from decode_worker.server import examples
+from decode_worker.server.guard import OPEN_PATHS
+from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, HandshakeRequest
 from decode_worker.config import ServerConfig
 from decode_worker.engine.engine import Engine
 

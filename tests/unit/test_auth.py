@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.api.guard import bearer_matches
-from decode_worker.engine.request import RequestError
-from decode_worker.transfer.prefill_side import check_pd_token
+from decode_worker.server.guard import bearer_matches
+from decode_worker.core.request import RequestError
+from decode_worker.pd.prefill import check_pd_token
 
 
 @pytest.mark.parametrize("header,ok", [

@@ -14,7 +14,7 @@ from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.storage.base import StoreBackend, encode_record
 from decode_worker.cache.storage.tier import StorageTier
-from decode_worker.engine.storage_lookahead import StorageLookahead
+from decode_worker.scheduler.lookahead import StorageLookahead
 from tests.unit.test_hicache import (
     LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, page_value, run, start,  # noqa: F401
 )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.cache.host_memory import HUGE_PAGE, host_buffer
+from decode_worker.core.host_memory import HUGE_PAGE, host_buffer
 from decode_worker.transfer.staging import StagingPool
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

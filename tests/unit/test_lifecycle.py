@@ -18,8 +18,8 @@ import torch
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache, LoadHandle, MatchResult
 from decode_worker.cache.pool import OutOfPages
-from decode_worker.engine.request import GenerateInput, RequestError, RequestStream
-from decode_worker.engine.scheduler import Req, Scheduler
+from decode_worker.core.request import GenerateInput, RequestError, RequestStream
+from decode_worker.scheduler.scheduler import Req, Scheduler
 from decode_worker.model.forward_batch import ForwardBatch
 from tests.unit.test_scheduler import GREEDY, make_scheduler, offline, settle  # noqa: F401
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from decode_worker.engine.llm import LLM
-from decode_worker.engine.sequence import PromptTooLong
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sequence import PromptTooLong
+from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.config import ModelLoadError
 from decode_worker.model.loader import load_model
 

@@ -8,7 +8,7 @@ import torch
 
 from decode_worker.cache.pool import PageAllocator
 from decode_worker.engine.llm import LLM
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 

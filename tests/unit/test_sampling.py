@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.engine.sampling import SamplingParams, make_generator, sample
-from decode_worker.engine.sequence import Sequence, check_finish, trim_stop_string
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import Sequence, check_finish, trim_stop_string
+from decode_worker.model.sampler import make_generator, sample
 
 
 def test_greedy_takes_argmax_and_reports_its_logprob():

@@ -17,8 +17,8 @@ import torch
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
-from decode_worker.engine.request import GenerateInput, RequestError
-from decode_worker.engine.scheduler import Scheduler
+from decode_worker.core.request import GenerateInput, RequestError
+from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner

@@ -12,9 +12,16 @@ import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
-from decode_worker.cache.storage import FileStore, PrefetchPolicy, RecordError, StorageTier, StoreBackend, open_storage
+from decode_worker.cache.storage import (
+    FileStore,
+    PrefetchPolicy,
+    RecordError,
+    StorageTier,
+    StoreBackend,
+)
 from decode_worker.cache.storage.base import HEADER_BYTES, decode_record, encode_record
 from decode_worker.config import ServerConfig
+from decode_worker.engine.wiring import open_storage
 
 PS = 4
 LAYOUT = KVLayout("test", num_layers=2, num_kv_heads=2, head_dim=8, page_size=PS, dtype=torch.float32)

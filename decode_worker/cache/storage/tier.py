@@ -24,9 +24,16 @@ import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.storage.base import (
-    CORRUPT, HEADER_BYTES, SHORT, RecordError, StoreBackend, decode_record, seal_record,
+    CORRUPT,
+    HEADER_BYTES,
+    SHORT,
+    RecordError,
+    StoreBackend,
+    decode_record,
+    seal_record,
 )
 from decode_worker.cache.storage.prefetch_policy import PrefetchPolicy
+from decode_worker.core.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +125,7 @@ class StorageTier:
         self._queue: asyncio.Queue[_BackupJob] = asyncio.Queue()
         self._queued_bytes = 0
         self._worker: asyncio.Task | None = None
-        self._side_tasks: set[asyncio.Task] = set()
+        self._side_tasks = TaskSet()
 
     # -- the calls the cache makes ---------------------------------------------------------------------------------
 
@@ -282,9 +289,7 @@ class StorageTier:
             return
         self.failures[op, reason] += 1
         if reason in (SHORT, CORRUPT):  # a foreign page belongs to someone else: leave it
-            task = asyncio.get_running_loop().create_task(self._call("delete", self.backend.delete([key])))
-            self._side_tasks.add(task)
-            task.add_done_callback(self._side_tasks.discard)
+            self._side_tasks.spawn(self._call("delete", self.backend.delete([key])))
 
     async def _backup_worker(self) -> None:
         while True:

@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from decode_worker_kernels.page_copy import gather_pages
 
-from decode_worker.api.schemas import HandshakeRequest
-from decode_worker.engine.request import RequestError
+from decode_worker.core.request import RequestError
+from decode_worker.core.tasks import TaskSet
 from decode_worker.metrics import Metrics
-from decode_worker.transfer.handshake import PD_TOKEN_HEADER, prompt_digest
+from decode_worker.pd.handshake import PD_TOKEN_HEADER, HandshakeBody, prompt_digest
 from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_sender import KVSender
-from decode_worker.transfer.wire import TransferError, Trailer
-from decode_worker_kernels.page_copy import gather_pages
+from decode_worker.transfer.wire import Trailer, TransferError
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
     from decode_worker.config import ServerConfig
-    from decode_worker.engine.scheduler import Req, Scheduler
+    from decode_worker.scheduler.scheduler import Req, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class KVHandoff:
     staging: StagingPool | None = None  # on the pool's device, where pages are gathered
     leases: dict[int, _Lease] = field(default_factory=dict)
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
-    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _tasks: TaskSet = field(default_factory=TaskSet)
 
     def __post_init__(self) -> None:
         if self.staging is None:
@@ -96,7 +96,7 @@ class KVHandoff:
         self._arrived.pop(room, None)
         return self.leases.pop(room, None)
 
-    async def handshake(self, body: HandshakeRequest) -> dict:
+    async def handshake(self, body: HandshakeBody) -> dict:
         """The caller has checked the PD token (``check_pd_token``)."""
         layout = self.pool.layout
         diff = layout.differences(body.layout)
@@ -109,7 +109,7 @@ class KVHandoff:
             self.scheduler.release_held(req)
             raise
 
-    async def _start_push(self, body: HandshakeRequest, req: "Req") -> dict:
+    async def _start_push(self, body: HandshakeBody, req: "Req") -> dict:
         """Check the decode side's view of the prompt, then push its delta KV in the background."""
         layout = self.pool.layout
         prompt = req.seq.prompt_ids
@@ -124,9 +124,7 @@ class KVHandoff:
         pages = torch.tensor(req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)], dtype=torch.int64)
         trailer = Trailer(req.seq.output_ids[0], req.seq.output_logprobs[0])
         address = base64.b64decode(body.ucx_address)
-        task = asyncio.get_running_loop().create_task(self._push(req, address, body.room, pages, trailer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._push(req, address, body.room, pages, trailer))
         return {"status": "sending", "room": body.room, "tokens": len(prompt) - body.decode_prefix_len,
                 "nbytes": pages.numel() * layout.page_bytes}
 
@@ -158,6 +156,5 @@ class KVHandoff:
             self.scheduler.release_held(req)
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.transfer_timeout_s)
+        await self._tasks.wait(timeout=self.config.transfer_timeout_s)
         await self.sender.close()

@@ -20,7 +20,7 @@ from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.storage.tier import Prefetch
 
 if TYPE_CHECKING:
-    from decode_worker.engine.scheduler import Req
+    from decode_worker.scheduler.scheduler import Req
 
 STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
 

@@ -8,7 +8,7 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
-from decode_worker.api.app import create_app
+from decode_worker.server.app import create_app
 from decode_worker.config import ServerConfig
 from decode_worker.engine.engine import Engine
 

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING
 
 import httpx
 import torch
+from decode_worker_kernels.page_copy import scatter_pages
 
 from decode_worker.config import ServerConfig
-from decode_worker.engine.request import RequestError
+from decode_worker.core.request import RequestError
 from decode_worker.metrics import Metrics
-from decode_worker.transfer.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, prompt_digest
+from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, prompt_digest
 from decode_worker.transfer.staging import StagingPool, run_page_copy
 from decode_worker.transfer.ucx_receiver import KVReceiver
 from decode_worker.transfer.wire import TransferError
-from decode_worker_kernels.page_copy import scatter_pages
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
-    from decode_worker.engine.scheduler import Req
+    from decode_worker.scheduler.scheduler import Req
 
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
 HANDSHAKE_KEEPALIVE_S = 1.0

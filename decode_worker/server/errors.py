@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from decode_worker.engine.request import RequestError
+from decode_worker.core.request import RequestError
 
 
 RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from decode_worker.transfer.handshake import PD_TOKEN_HEADER
+from decode_worker.pd.handshake import PD_TOKEN_HEADER
 from decode_worker.transfer.wire import PeerAddress
 
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")

@@ -6,7 +6,7 @@ batch). Retracted requests wait in their own queue and block new admissions unti
 The model forward runs on a dedicated thread so HTTP and UCX progress never stall behind it.
 
 With L3 storage, the first few requests in prealloc prefetch what the store holds into L2 while they wait
-(``storage_lookahead.py``); the head of the queue is admitted once its prefetch settled.
+(``lookahead.py``); the head of the queue is admitted once its prefetch settled.
 
 Page ownership of a request: its cache handle locks the matched prefix (pages the tree owns); after the
 load-back the request owns the remaining pages of ``seq.pages``. With the radix cache on, the full pages a request
@@ -28,12 +28,17 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache, LoadHandle
 from decode_worker.cache.pool import OutOfPages
-from decode_worker.engine.request import GenerateInput, RequestError, RequestStream, TokenEvent
-from decode_worker.engine.sampling import make_generator, sample
-from decode_worker.engine.sequence import Sequence, check_finish, check_fits
-from decode_worker.engine.storage_lookahead import StorageFetch, StorageLookahead
+from decode_worker.core.request import (
+    GenerateInput,
+    RequestError,
+    RequestStream,
+    TokenEvent,
+)
+from decode_worker.core.sequence import Sequence, check_finish, check_fits
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
+from decode_worker.model.sampler import make_generator, sample
+from decode_worker.scheduler.lookahead import StorageFetch, StorageLookahead
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sampling import SamplingParams
 
 
 class RequestError(Exception):

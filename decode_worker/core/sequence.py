@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode_worker.engine.sampling import SamplingParams
+from decode_worker.core.sampling import SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, RootModel
 
-from decode_worker.api.errors import RETRY_AFTER_S
+from decode_worker.server.errors import RETRY_AFTER_S
 
 
 class ErrorDetail(BaseModel):

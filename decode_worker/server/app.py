@@ -12,12 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from decode_worker.api.detokenize import IncrementalText
-from decode_worker.api.errors import error_body, error_response, install_error_handlers, parse_body
-from decode_worker.api.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES, GENERATE_EXAMPLES, HANDSHAKE_EXAMPLES
-from decode_worker.api.guard import RequestGuard
-from decode_worker.api.openapi import declare_models, json_body
-from decode_worker.api.responses import (
+from decode_worker.server.detokenize import IncrementalText
+from decode_worker.server.errors import error_body, error_response, install_error_handlers, parse_body
+from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES, GENERATE_EXAMPLES, HANDSHAKE_EXAMPLES
+from decode_worker.server.guard import RequestGuard
+from decode_worker.server.openapi import declare_models, json_body
+from decode_worker.server.responses import (
     STREAM_CHUNKS,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -33,7 +33,7 @@ from decode_worker.api.responses import (
     errors,
     sse_content,
 )
-from decode_worker.api.schemas import (
+from decode_worker.server.schemas import (
     BootstrapFields,
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,10 +43,10 @@ from decode_worker.api.schemas import (
     OpenAISampling,
     SGLangSamplingParams,
 )
-from decode_worker.engine.request import Bootstrap, GenerateInput, RequestError, RequestStream, TokenEvent
-from decode_worker.engine.sampling import SamplingParams
-from decode_worker.engine.sequence import trim_stop_string
-from decode_worker.transfer.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
+from decode_worker.core.request import Bootstrap, GenerateInput, RequestError, RequestStream, TokenEvent
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import trim_stop_string
+from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
 
 if TYPE_CHECKING:
     from decode_worker.engine.engine import Engine
@@ -420,7 +420,7 @@ def create_app(engine: "Engine") -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     if cfg.role == "prefill":
-        from decode_worker.transfer.prefill_side import check_pd_token  # loads UCX: prefill role only
+        from decode_worker.pd.prefill import check_pd_token  # loads UCX: prefill role only
 
         token_header = {"name": PD_TOKEN_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
                         "description": "the pair's --pd-token; required when this worker has one, refused when not"}
