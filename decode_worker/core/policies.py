@@ -1,0 +1,45 @@
+"""Every choice a flag names, defined once: the flags offer these values and the cache and scheduler compare
+against them. A ``StrEnum`` member equals its string, so a value read from a flag or a file needs no mapping."""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    COLOCATED = "colocated"  # prompt to last token in one process
+    PREFILL = "prefill"  # computes the prompt, hands its KV to a decode peer
+    DECODE = "decode"  # receives the prompt's KV, decodes
+
+
+class WritePolicy(StrEnum):
+    """When L1 pages are copied to L2."""
+
+    WRITE_THROUGH = "write_through"  # when inserted
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # on their second hit
+    WRITE_BACK = "write_back"  # when evicted from L1
+
+
+class EvictionPolicy(StrEnum):
+    LRU = "lru"
+    LFU = "lfu"
+
+
+class StorageBackup(StrEnum):
+    """Which L2 pages are also backed up to L3."""
+
+    ALL = "all"
+    HIT_TWICE = "hit_twice"
+
+
+class StorageBackend(StrEnum):
+    NONE = "none"
+    FILE = "file"
+    REDIS = "redis"
+
+
+class PrefetchMode(StrEnum):
+    """How long a queued request waits for its L3 prefetch."""
+
+    BEST_EFFORT = "best_effort"  # never
+    WAIT_COMPLETE = "wait_complete"  # for every page, up to a hard cap
+    TIMEOUT = "timeout"  # up to a deadline that grows with the pages fetched
