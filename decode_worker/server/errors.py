@@ -12,7 +12,6 @@ from starlette.exceptions import HTTPException
 
 from decode_worker.core.request import RequestError
 
-
 RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy
 
 

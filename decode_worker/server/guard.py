@@ -10,8 +10,8 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decode_worker.server.errors import error_response
 from decode_worker.core.request import RequestError
+from decode_worker.server.errors import error_response
 
 # Probes and scrapes stay open: kubelets and Prometheus carry no key, and none of them reveals a prompt.
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})

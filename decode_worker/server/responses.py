@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, RootModel
 
+from decode_worker.config import ServerConfig
 from decode_worker.server.errors import RETRY_AFTER_S
 
 
@@ -205,3 +206,15 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         if status == 503:
             out[status]["headers"] = _RETRY_AFTER
     return out
+
+
+def auth_statuses(cfg: ServerConfig) -> tuple[int, ...]:
+    """401 on a route the guard holds to the API key, when this worker has one."""
+    return (401,) if cfg.api_key else ()
+
+
+def generation_errors(cfg: ServerConfig) -> dict[int | str, dict[str, Any]]:
+    """The errors of the three generate routes; 502/504 on a decode worker, whose prefill peer can fail or miss a
+    deadline."""
+    transfer = (502, 504) if cfg.role == "decode" else ()
+    return errors(400, *auth_statuses(cfg), 409, 413, 503, *transfer)

@@ -8,9 +8,9 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
-from decode_worker.server.app import create_app
 from decode_worker.config import ServerConfig
 from decode_worker.engine.engine import Engine
+from decode_worker.server.app import create_app
 
 log = logging.getLogger("decode_worker")
 

@@ -1,0 +1,104 @@
+"""Running a route's prompts once they have passed ``admit``: to the end (``collect``) or event by event
+(``stream_events``). Whatever the client stops waiting for is aborted in the scheduler, so an abandoned request
+frees its KV pages."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+
+from decode_worker.core.request import GenerateInput, RequestError, RequestStream, TokenEvent
+from decode_worker.core.sequence import trim_stop_string
+from decode_worker.engine.engine import Engine
+from decode_worker.server.detokenize import IncrementalText
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request asks whether its client is still there
+
+
+class Collected:
+    """A request's output so far: tokens, streamed text, finish reason and cache figures."""
+
+    def __init__(self, inp: GenerateInput, decode: Callable[[list[int]], str]):
+        self.rid = inp.rid
+        self.prompt_tokens = len(inp.prompt_ids)
+        self.stream_text = IncrementalText(decode)
+        self.logprobs: list[float] = []
+        self.finish_reason: dict | None = None
+        self.cached: dict[str, int] = {}
+
+    def add(self, event: TokenEvent) -> None:
+        if event.error is not None:
+            raise event.error
+        self.stream_text.add(event.token_ids)
+        self.logprobs += event.logprobs
+        self.finish_reason = event.finish_reason or self.finish_reason
+        self.cached = event.cached_tokens or self.cached
+
+    @property
+    def ids(self) -> list[int]:
+        """Output token ids; the detokenizer keeps the one list."""
+        return self.stream_text.ids
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+    def text(self) -> str:
+        """Streamed text while running; the exact full decode, cut at a matched stop string, once finished."""
+        if self.finish_reason is None:
+            return self.stream_text.text
+        return trim_stop_string(self.stream_text.decode(self.ids), self.finish_reason)
+
+
+def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
+    """Check every prompt before any runs: a body with one prompt that cannot be served is refused whole, with
+    its HTTP status, before a stream has sent a status line."""
+    for inp in inputs:
+        engine.check_request(inp)
+
+
+async def _start(engine: Engine, inp: GenerateInput) -> tuple[RequestStream, Collected]:
+    return await engine.submit(inp), Collected(inp, engine.tokenizer.decode)
+
+
+async def _drain(stream: RequestStream, c: Collected) -> Collected:
+    async for event in stream:
+        c.add(event)
+    return c
+
+
+async def collect(engine: Engine, request: Request, inputs: list[GenerateInput]) -> list[Collected]:
+    """Run requests to the end; a client that goes away aborts them all."""
+    started: list[tuple[RequestStream, Collected]] = []
+    tasks: list[asyncio.Future] = []
+    try:
+        for inp in inputs:
+            started.append(await _start(engine, inp))
+        tasks = [asyncio.ensure_future(_drain(s, c)) for s, c in started]
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.ALL_COMPLETED)
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                raise RequestError("client disconnected", 499, "aborted")
+        return [t.result() for t in tasks]
+    finally:
+        for i, (s, _) in enumerate(started):
+            if i >= len(tasks) or not tasks[i].done():
+                if i < len(tasks):
+                    tasks[i].cancel()
+                engine.abort(s.rid)
+
+
+async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tuple[Collected, TokenEvent]]:
+    """Each event with the output so far; a stream left before its end (the client went away, or an error)
+    aborts the request."""
+    stream, c = await _start(engine, inp)
+    finished = False
+    try:
+        async for event in stream:
+            c.add(event)
+            yield c, event
+        finished = True
+    finally:
+        if not finished:
+            engine.abort(stream.rid)

@@ -1,0 +1,65 @@
+"""From a request body to scheduler inputs: what the SGLang and OpenAI routes share (per-prompt list fields,
+the PD bootstrap fields, prompt encoding, stop lists)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from decode_worker.config import ServerConfig
+from decode_worker.core.request import Bootstrap, RequestError
+from decode_worker.model.tokenizer import Tokenizer
+from decode_worker.server.schemas import BootstrapFields
+
+BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def pick(value: Any, i: int) -> Any:
+    """Prompt ``i``'s value of a field that is one value for all prompts or a list of one per prompt."""
+    return value[i] if isinstance(value, list) else value
+
+
+def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
+    """A list-valued field gives one value per prompt: one of another length is refused (400 naming it) rather
+    than pairing a prompt with another prompt's room, or failing on a missing entry."""
+    for name in fields:
+        value = getattr(body, name)
+        if isinstance(value, list) and len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompt{'s' if n != 1 else ''}")
+
+
+def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | None:
+    """Prompt ``i``'s prefill peer and transfer room, or None for a request that is not part of a PD pair."""
+    host, port, room = pick(body.bootstrap_host, i), pick(body.bootstrap_port, i), pick(body.bootstrap_room, i)
+    if host is None and room is None:
+        return None
+    if host is None or room is None:
+        raise RequestError("bootstrap_host and bootstrap_room must be given together")
+    port = port if port is not None else _default_port(cfg)
+    if port is None:
+        raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
+    return Bootstrap(_url_host(host), int(port), int(room))
+
+
+def _default_port(cfg: ServerConfig) -> int | None:
+    """A null bootstrap_port names prefill's handshake port: --bootstrap-port on a decode worker, while a prefill
+    worker (which gets the same body from the router) serves the handshake itself, on its own port."""
+    return cfg.bootstrap_port if cfg.role == "decode" else cfg.port
+
+
+def _url_host(host: str) -> str:
+    """A raw IPv6 address goes in brackets in the handshake URL."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def encode(tokenizer: Tokenizer, text: str | None, ids: list[int] | None) -> list[int]:
+    """The prompt's token ids: given ones as they are, else the text's."""
+    if ids is not None:
+        return list(ids)
+    if text is None:
+        raise RequestError("give either text or input_ids")
+    return tokenizer.encode(text)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])

@@ -1,0 +1,190 @@
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``. Streams send text deltas
+(SGLang's ``/generate`` sends the output so far); SGLang's extras top_k, ignore_eos and the PD bootstrap fields
+are taken too."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from decode_worker.config import ServerConfig
+from decode_worker.core.request import GenerateInput, RequestError
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.engine import Engine
+from decode_worker.server.dependencies import EngineDep
+from decode_worker.server.errors import parse_body
+from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
+from decode_worker.server.generation import Collected, admit, collect, stream_events
+from decode_worker.server.inputs import BOOTSTRAP, bootstrap, per_prompt, stop_list
+from decode_worker.server.openapi import json_body
+from decode_worker.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelList,
+    auth_statuses,
+    errors,
+    generation_errors,
+    sse_content,
+)
+from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, ContentPart, OpenAISampling
+from decode_worker.server.sse import sse_response
+
+_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def router(cfg: ServerConfig) -> APIRouter:
+    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
+    declared models document without re-validating each one."""
+    routes = APIRouter()
+    routes.add_api_route("/v1/completions", completions, methods=["POST"], response_model=None,
+                         openapi_extra=json_body(CompletionRequest, COMPLETION_EXAMPLES),
+                         responses={200: {"model": CompletionResponse, "content": sse_content(CompletionChunk)},
+                                    **generation_errors(cfg)})
+    routes.add_api_route("/v1/chat/completions", chat, methods=["POST"], response_model=None,
+                         openapi_extra=json_body(ChatCompletionRequest, CHAT_EXAMPLES),
+                         responses={200: {"model": ChatCompletionResponse, "content": sse_content(ChatCompletionChunk)},
+                                    **generation_errors(cfg)})
+    routes.add_api_route("/v1/models", models, methods=["GET"], response_model=None,
+                         responses={200: {"model": ModelList}, **errors(*auth_statuses(cfg), 503)})
+    return routes
+
+
+async def completions(request: Request, engine: EngineDep) -> dict | StreamingResponse:
+    body = await parse_body(request, CompletionRequest)
+    engine.require_ready()
+    inputs = _completion_inputs(body, engine)
+    admit(engine, inputs)
+    created, model = int(time.time()), engine.model_name
+    if body.stream:
+        return sse_response(_completion_chunks(engine, inputs, created, model))
+    results = await collect(engine, request, inputs)
+    choices = [{"index": i, "text": c.text(), "finish_reason": _finish(c), "logprobs": None}
+               for i, c in enumerate(results)]
+    return {**_envelope(inputs[0].rid, "text_completion", created, model, choices),
+            "usage": {k: sum(_usage(c)[k] for c in results) for k in _USAGE}}
+
+
+def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[GenerateInput]:
+    """One input per prompt; a prompt is a text or a list of token ids, and so may a batch's prompts be."""
+    batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+    prompts = body.prompt if batch else [body.prompt]
+    per_prompt(body, BOOTSTRAP, len(prompts))
+    params = _sampling(body, body.max_tokens)
+    inputs = []
+    for i, p in enumerate(prompts):
+        prompt = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        rid = (body.rid or "cmpl-" + uuid.uuid4().hex) + (f"-{i}" if len(prompts) > 1 else "")
+        inputs.append(GenerateInput(rid, prompt, params, False, bootstrap(body, i, engine.config)))
+    return inputs
+
+
+async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], created: int,
+                             model: str) -> AsyncIterator[dict]:
+    """A batch streams one prompt after another, each chunk naming its prompt's index."""
+    for index, inp in enumerate(inputs):
+        sent = ""
+        async for c, event in stream_events(engine, inp):
+            delta = _new_text(c.text(), sent, event.finish_reason is not None)
+            sent += delta
+            choice = {"index": index, "text": delta, "finish_reason": _finish(c) if event.finish_reason else None,
+                      "logprobs": None}
+            yield _envelope(inp.rid, "text_completion", created, model, [choice])
+
+
+async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
+    body = await parse_body(request, ChatCompletionRequest)
+    engine.require_ready()
+    inp = _chat_input(body, engine)
+    admit(engine, [inp])
+    created, model = int(time.time()), engine.model_name
+    if body.stream:
+        return sse_response(_chat_chunks(engine, inp, created, model))
+    (c,) = await collect(engine, request, [inp])
+    choice = {"index": 0, "message": {"role": "assistant", "content": c.text()}, "finish_reason": _finish(c),
+              "logprobs": None}
+    return {**_envelope(inp.rid, "chat.completion", created, model, [choice]), "usage": _usage(c)}
+
+
+def _chat_input(body: ChatCompletionRequest, engine: Engine) -> GenerateInput:
+    per_prompt(body, BOOTSTRAP, 1)
+    messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    try:
+        prompt = engine.tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
+    max_tokens = body.max_completion_tokens or body.max_tokens or 256
+    rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
+    return GenerateInput(rid, prompt, _sampling(body, max_tokens), False, bootstrap(body, 0, engine.config))
+
+
+def _message_text(content: str | list[ContentPart] | None) -> str | None:
+    """OpenAI content parts joined into one text; a part a text model cannot read is refused, not dropped."""
+    if not isinstance(content, list):
+        return content
+    other = sorted({p.type for p in content} - {"text"})
+    if other:
+        raise RequestError(f"messages: content parts of type {', '.join(map(repr, other))} are not supported "
+                           "(text parts only)")
+    return "".join(p.text or "" for p in content)
+
+
+async def _chat_chunks(engine: Engine, inp: GenerateInput, created: int, model: str) -> AsyncIterator[dict]:
+    """The assistant role first, then content deltas, then an empty delta with the finish reason."""
+
+    def chunk(delta: dict, reason: str | None) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return _envelope(inp.rid, "chat.completion.chunk", created, model, [choice])
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    sent = ""
+    async for c, event in stream_events(engine, inp):
+        delta = _new_text(c.text(), sent, event.finish_reason is not None)
+        sent += delta
+        if delta:
+            yield chunk({"content": delta}, None)
+        if event.finish_reason:
+            yield chunk({}, _finish(c))
+
+
+async def models(engine: EngineDep) -> dict:
+    engine.require_ready()
+    card = {"id": engine.model_name, "object": "model", "created": engine.started_at, "owned_by": "decode-worker",
+            "max_model_len": engine.model_config.max_context}
+    return {"object": "list", "data": [card]}
+
+
+def _sampling(body: OpenAISampling, max_tokens: int) -> SamplingParams:
+    if body.n != 1:
+        raise RequestError("only n=1 is supported")
+    if getattr(body, "echo", False) or getattr(body, "logprobs", None):
+        raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
+    return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, seed=body.seed, stop=stop_list(body.stop),
+                          stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+
+
+def _new_text(text: str, sent: str, finished: bool) -> str:
+    """What to send now: the text past ``sent``, holding back a trailing replacement character (a multi-byte
+    character whose remaining bytes are in tokens not generated yet) until the stream ends."""
+    if not finished:
+        text = text.rstrip("\ufffd")
+    return text[len(sent):] if text.startswith(sent) else ""
+
+
+def _envelope(rid: str, kind: str, created: int, model: str, choices: list[dict]) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+
+
+def _usage(c: Collected) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
+            "total_tokens": c.prompt_tokens + len(c.ids),
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def _finish(c: Collected) -> str | None:
+    return None if c.finish_reason is None else c.finish_reason["type"]

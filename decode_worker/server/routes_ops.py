@@ -1,0 +1,85 @@
+"""What operators, probes, scrapers and routers call: health, server and model info, load, cache flush and
+Prometheus metrics."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse, Response
+
+from decode_worker.config import ServerConfig
+from decode_worker.engine.engine import Engine
+from decode_worker.server.dependencies import EngineDep
+from decode_worker.server.errors import error_response
+from decode_worker.server.responses import FlushResult, Load, ModelInfo, auth_statuses, errors
+
+_INFO = {"description": "configuration (secrets left out), model, KV layout and cache figures",
+         "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def router(cfg: ServerConfig) -> APIRouter:
+    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
+    declared models document without re-validating each one."""
+    auth = auth_statuses(cfg)
+    routes = APIRouter()
+    routes.add_api_route("/health", health, methods=["GET"], response_model=None, response_class=Response,
+                         responses={200: {"description": "ready"}, **errors(503)})
+    routes.add_api_route("/health_generate", health_generate, methods=["GET"], response_model=None,
+                         response_class=Response,
+                         responses={200: {"description": "one token went through the scheduler"}, **errors(503)})
+    for path in ("/get_server_info", "/server_info"):
+        routes.add_api_route(path, server_info, methods=["GET"], response_model=None,
+                             responses={200: _INFO, **errors(*auth)})
+    for path in ("/get_model_info", "/model_info"):
+        routes.add_api_route(path, model_info, methods=["GET"], response_model=None,
+                             responses={200: {"model": ModelInfo}, **errors(*auth, 503)})
+    routes.add_api_route("/get_load", get_load, methods=["GET"], response_model=None,
+                         responses={200: {"model": Load}, **errors(*auth)})
+    routes.add_api_route("/flush_cache", flush_cache, methods=["GET"], response_model=None,
+                         responses={200: {"model": FlushResult}, **errors(*auth, 503)})
+    routes.add_api_route("/flush_cache", flush_cache, methods=["POST"], response_model=None,
+                         responses={200: {"model": FlushResult}, **errors(*auth, 413, 503)})
+    routes.add_api_route("/metrics", metrics, methods=["GET"], response_model=None, response_class=PlainTextResponse)
+    return routes
+
+
+def _not_ready(engine: Engine) -> Response | None:
+    """The probes' 503 in the usual error shape, or None once the engine is ready."""
+    if engine.ready:
+        return None
+    return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
+
+
+async def health(engine: EngineDep) -> Response:
+    if (refusal := _not_ready(engine)) is not None:
+        return refusal
+    return Response(status_code=200)
+
+
+async def health_generate(engine: EngineDep) -> Response:
+    if (refusal := _not_ready(engine)) is not None:
+        return refusal
+    await engine.health_generate()
+    return Response(status_code=200)
+
+
+async def server_info(engine: EngineDep) -> dict:
+    return engine.server_info()
+
+
+async def model_info(engine: EngineDep) -> dict:
+    engine.require_ready()
+    return {"model_path": engine.model_path, "served_model_name": engine.model_name,
+            "tokenizer_path": engine.model_path, "is_generation": True,
+            "max_context": engine.model_config.max_context}
+
+
+async def get_load(engine: EngineDep) -> dict:
+    return engine.get_load()
+
+
+async def flush_cache(engine: EngineDep) -> dict:
+    dropped = engine.flush_cache()
+    return {"success": True, "message": f"cache flushed: {dropped} tokens dropped", "dropped_tokens": dropped}
+
+
+async def metrics(engine: EngineDep) -> Response:
+    return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,30 @@
+"""The prefill worker's end of the PD handshake: a decode worker says what KV it holds and where to push the rest.
+Included on a prefill worker only, and imported only there: the PD token check comes with the UCX handoff."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
+from decode_worker.pd.prefill import check_pd_token
+from decode_worker.server.dependencies import EngineDep
+from decode_worker.server.errors import parse_body
+from decode_worker.server.examples import HANDSHAKE_EXAMPLES
+from decode_worker.server.openapi import json_body
+from decode_worker.server.responses import HandshakeAccepted, errors
+from decode_worker.server.schemas import HandshakeRequest
+
+_TOKEN_HEADER = {"name": PD_TOKEN_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+                 "description": "the pair's --pd-token; required when this worker has one, refused when not"}
+
+router = APIRouter()
+
+
+# 401 with or without an --api-key: the PD token is checked here.
+@router.post(HANDSHAKE_PATH, openapi_extra={**json_body(HandshakeRequest, HANDSHAKE_EXAMPLES),
+                                            "parameters": [_TOKEN_HEADER]},
+             responses={200: {"model": HandshakeAccepted}, **errors(400, 401, 404, 409, 413, 503)})
+async def handshake(request: Request, engine: EngineDep) -> JSONResponse:
+    body = await parse_body(request, HandshakeRequest)  # first, so an old peer hears its body is refused
+    check_pd_token(engine.config.pd_token, request.headers.get(PD_TOKEN_HEADER))
+    return JSONResponse(await engine.handshake(body))

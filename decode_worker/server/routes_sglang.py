@@ -1,0 +1,98 @@
+"""SGLang's native ``/generate``: one prompt or a batch, as text or token ids, answered whole or streamed as
+chunks that each carry the output so far."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from decode_worker.config import ServerConfig
+from decode_worker.core.request import GenerateInput
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.engine import Engine
+from decode_worker.server.dependencies import EngineDep
+from decode_worker.server.errors import parse_body
+from decode_worker.server.examples import GENERATE_EXAMPLES
+from decode_worker.server.generation import Collected, admit, collect, stream_events
+from decode_worker.server.inputs import BOOTSTRAP, bootstrap, encode, per_prompt, pick, stop_list
+from decode_worker.server.openapi import json_body
+from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
+from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
+from decode_worker.server.sse import sse_response
+
+
+def router(cfg: ServerConfig) -> APIRouter:
+    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
+    declared models document without re-validating each one."""
+    routes = APIRouter()
+    routes.add_api_route("/generate", generate, methods=["POST"], response_model=None,
+                         openapi_extra=json_body(GenerateRequest, GENERATE_EXAMPLES),
+                         responses={200: {"model": GenerateOutput, "content": sse_content(GenerateChunk)},
+                                    **generation_errors(cfg)})
+    return routes
+
+
+async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | StreamingResponse:
+    body = await parse_body(request, GenerateRequest)
+    engine.require_ready()
+    batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+    inputs = _inputs(body, batched, engine)
+    admit(engine, inputs)
+    if body.stream:
+        return sse_response(_chunks(engine, inputs, batched))
+    results = await collect(engine, request, inputs)
+    out = [_answer(c, inp) for c, inp in zip(results, inputs)]
+    return out if batched else out[0]
+
+
+def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[GenerateInput]:
+    """One input per prompt, each with its own entry of every list-valued field."""
+    texts = body.text if isinstance(body.text, list) else [body.text]
+    ids = body.input_ids if batched and body.input_ids else [body.input_ids]
+    n = len(texts) if body.text is not None else len(ids)
+    per_prompt(body, BOOTSTRAP + ("sampling_params", "rid", "return_logprob"), n)
+    inputs = []
+    for i in range(n):
+        sp = pick(body.sampling_params, i) or SGLangSamplingParams()
+        rid = pick(body.rid, i) or uuid.uuid4().hex
+        prompt = encode(engine.tokenizer, texts[i] if body.text is not None else None,
+                        ids[i] if body.text is None else None)
+        inputs.append(GenerateInput(rid, prompt, _sampling(sp), bool(pick(body.return_logprob, i)),
+                                    bootstrap(body, i, engine.config)))
+    return inputs
+
+
+def _sampling(p: SGLangSamplingParams) -> SamplingParams:
+    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                          top_k=p.top_k, seed=p.seed, stop=stop_list(p.stop),
+                          stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
+
+
+async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool) -> AsyncIterator[dict]:
+    """A batch streams one prompt after another, each chunk naming its prompt's index."""
+    for index, inp in enumerate(inputs):
+        async for c, _ in stream_events(engine, inp):
+            chunk = _answer(c, inp)
+            if batched:
+                chunk["index"] = index
+            yield chunk
+
+
+def _answer(c: Collected, inp: GenerateInput) -> dict:
+    return {"text": c.text(), "output_ids": c.ids, "meta_info": _meta_info(c, inp.return_logprob)}
+
+
+def _meta_info(c: Collected, return_logprob: bool) -> dict:
+    meta = {
+        "id": c.rid,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": len(c.ids),
+        "cached_tokens": c.cached_tokens,
+        "cached_tokens_details": {t: c.cached.get(t, 0) for t in ("device", "host", "storage")},
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.ids)]
+    return meta
