@@ -1,35 +1,50 @@
-"""Server configuration: one dataclass, every field a CLI flag that also reads an environment variable.
+"""Server configuration: one pydantic-settings model. Every field is a `decode-worker serve` flag and reads
+`DECODE_WORKER_<FIELD>` from the environment when the flag is not given (`--some-flag`: `DECODE_WORKER_SOME_FLAG`).
 
-`--some-flag` reads `DECODE_WORKER_SOME_FLAG` when not given on the command line.
+A value of the wrong type, from a flag or the environment, is a `ConfigError` naming that flag or variable.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-from dataclasses import dataclass, field
-from typing import Literal, get_args, get_type_hints
+from enum import Enum
+from importlib.metadata import version
+from typing import Any
+
+from pydantic import Field, ValidationError
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+
+from decode_worker.core.policies import PrefetchMode, Role, StorageBackend, WritePolicy
 
 ENV_PREFIX = "DECODE_WORKER_"
-Role = Literal["colocated", "prefill", "decode"]
-WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
-PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
-StorageBackend = Literal["none", "file", "redis"]
+# What a value of each pydantic error type must be instead; other errors keep pydantic's message.
+_EXPECTED = {
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "bool_parsing": "true or false (or 1/0, yes/no, on/off)",
+}
 
 
 class ConfigError(ValueError):
-    """A combination of flags the server refuses to start with."""
+    """A setting or a combination of settings the server refuses to start with."""
 
 
-def _opt(help: str, default=None, **kw):
-    return field(default=default, metadata={"help": help, **kw})
+def _opt(help: str, default: Any = None) -> Any:
+    return Field(default, description=help)
 
 
-@dataclass
-class ServerConfig:
-    role: Role = _opt("colocated serves prompt to last token; prefill/decode are the two PD halves", "colocated")
-    model_path: str | None = _opt("Hugging Face directory or GGUF file (default: the embedded SmolLM2)")
-    served_model_name: str | None = _opt("model name reported by the API (default: the model file's name)")
+class ServerConfig(BaseSettings):
+    """What a worker runs with; built from flags and the environment by `config_from_args`, or in code (where it
+    still reads the environment for the fields not passed)."""
+
+    # An empty variable counts as unset: compose's `${VAR:-}` yields one.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True)
+
+    role: Role = _opt("colocated serves prompt to last token; prefill/decode are the two PD halves", Role.COLOCATED)
+    model_path: str | None = _opt("local Hugging Face model folder or GGUF file, never downloaded; unset: the "
+                                  "embedded SmolLM2")
+    served_model_name: str | None = _opt("model name reported by the API; unset: the model file's name")
     host: str = _opt("HTTP bind address", "127.0.0.1")
     port: int = _opt("HTTP port", 30000)
     dtype: str = _opt("weights and KV dtype: float32, bfloat16 or float16", "float32")
@@ -56,22 +71,24 @@ class ServerConfig:
     disaggregation_decode_enable_hicache: bool = _opt("add the L2 host tier, on any role (needs the radix flag)", False)
     disaggregation_decode_hicache_ratio: float = _opt("L2 size as a multiple of L1", 3.0)
     disaggregation_decode_hicache_size: float = _opt("L2 size in GB (overrides the ratio)", 0.0)
-    disaggregation_decode_hicache_write_policy: WritePolicy = _opt("when pages are backed up to L2", "write_through")
-    hicache_storage_backend: StorageBackend = _opt("L3 storage backend", "none")
+    disaggregation_decode_hicache_write_policy: WritePolicy = _opt("when pages are backed up to L2",
+                                                                   WritePolicy.WRITE_THROUGH)
+    hicache_storage_backend: StorageBackend = _opt("L3 storage backend", StorageBackend.NONE)
     hicache_storage_url: str | None = _opt("folder for file, redis://host:port for redis")
-    hicache_storage_prefetch_policy: PrefetchPolicy = _opt("how long a request waits for L3 prefetch", "best_effort")
-    hicache_storage_prefetch_timeout_base_s: float = _opt("timeout policy: seconds a request waits for any prefetch", 1.0)
-    hicache_storage_prefetch_timeout_per_1k_tokens_s: float = _opt("timeout policy: extra seconds per 1K prefetched tokens", 0.25)
-    hicache_storage_prefetch_timeout_cap_s: float = _opt("timeout policy: most seconds a request waits for a prefetch", 5.0)
-    hicache_storage_file_max_gb: float = _opt("file backend: folder size cap in GB (least recently used pages go first)", 16.0)
+    hicache_storage_prefetch_policy: PrefetchMode = _opt("how long a request waits for L3 prefetch",
+                                                         PrefetchMode.BEST_EFFORT)
+    hicache_storage_prefetch_timeout_base_s: float = _opt("timeout policy: seconds a request waits for any "
+                                                          "prefetch", 1.0)
+    hicache_storage_prefetch_timeout_per_1k_tokens_s: float = _opt("timeout policy: extra seconds per 1K prefetched "
+                                                                   "tokens", 0.25)
+    hicache_storage_prefetch_timeout_cap_s: float = _opt("timeout policy: most seconds a request waits for a "
+                                                         "prefetch", 5.0)
+    hicache_storage_file_max_gb: float = _opt("file backend: folder size cap in GB (least recently used pages go "
+                                              "first)", 16.0)
     log_level: str = _opt("logging level", "info")
 
     def validate(self) -> None:
-        hints = get_type_hints(ServerConfig)
-        for f in dataclasses.fields(self):  # env values bypass argparse's choices: check them here
-            allowed = get_args(hints[f.name]) if getattr(hints[f.name], "__origin__", None) is Literal else None
-            if allowed and getattr(self, f.name) not in allowed:
-                raise ConfigError(f"{_flag(f.name)} must be one of {', '.join(allowed)}, not {getattr(self, f.name)!r}")
+        """Combinations the types cannot express; each value's type was checked when the model was built."""
         if self.disaggregation_decode_enable_hicache and not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError(
                 "--disaggregation-decode-enable-hicache requires --disaggregation-decode-enable-radix-cache"
@@ -96,34 +113,70 @@ class ServerConfig:
         return self.role != "decode" or self.disaggregation_decode_enable_radix_cache
 
 
+def package_version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source."""
+    return version("decode-worker")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _env_default(f: dataclasses.Field, kind: type):
-    raw = os.environ.get(ENV_PREFIX + f.name.upper())
-    if raw is None:
-        return f.default
-    if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return kind(raw)
+def _env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _enum_type(name: str) -> type[Enum] | None:
+    field = ServerConfig.model_fields.get(name)
+    kind = field.annotation if field else None
+    return kind if isinstance(kind, type) and issubclass(kind, Enum) else None
+
+
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
+    """pydantic-settings shows an enum's member names (DECODE); flags and env take its values (decode)."""
+    kind = _enum_type(kwargs.get("dest", ""))
+    if kind is not None:
+        kwargs["metavar"] = "{" + ",".join(m.value for m in kind) + "}"
+        default = ServerConfig.model_fields[kwargs["dest"]].default
+        kwargs["help"] = kwargs["help"].replace(f"(default: {default.name})", f"(default: {default.value})")
+    return parser.add_argument(*names, **kwargs)
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    hints = get_type_hints(ServerConfig)
-    for f in dataclasses.fields(ServerConfig):
-        hint = hints[f.name]
-        choices = get_args(hint) if getattr(hint, "__origin__", None) is Literal else None
-        kind = next((t for t in get_args(hint) if t is not type(None)), hint) if choices is None else str
-        if kind is bool:
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
-                                default=_env_default(f, bool), help=f.metadata["help"])
-        else:
-            parser.add_argument(_flag(f.name), type=kind, choices=choices, default=_env_default(f, kind),
-                                help=f"{f.metadata['help']} (env {ENV_PREFIX}{f.name.upper()})")
+    """Add every ServerConfig field to `parser` as a flag; `--help` shows its default and env variable."""
+    source = CliSettingsSource(ServerConfig, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True,
+                               cli_show_env_vars=True, cli_hide_none_type=True, add_argument_method=_add_argument)
+    parser.set_defaults(config_source=source)
+
+
+def _describe(error: ErrorDetails, given: set[str]) -> str:
+    """One line for one bad value, naming the flag or, when no flag gave it, the environment variable."""
+    name = str(error["loc"][0])
+    where = _flag(name) if name in given else _env_var(name)
+    value = error.get("input")
+    kind = _enum_type(name)
+    if kind is not None:
+        return f"{where} must be one of {', '.join(m.value for m in kind)}, not {value!r}"
+    if error["type"] in _EXPECTED:
+        return f"{where} must be {_EXPECTED[error['type']]}, not {value!r}"
+    return f"{where}: {error['msg']} (got {value!r})"
+
+
+def _build(given: set[str], **kwargs: Any) -> ServerConfig:
+    try:
+        return ServerConfig(**kwargs)
+    except ValidationError as e:
+        raise ConfigError("\n".join(_describe(err, given) for err in e.errors())) from None
+
+
+def config_from_env() -> ServerConfig:
+    """The environment's settings alone, each value type-checked (combinations are not: flags may complete them)."""
+    return _build(set())
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    cfg = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    """Flags parsed by a parser `add_config_args` filled, over the environment, over the defaults; validated."""
+    given = {name for name in vars(args) if name in ServerConfig.model_fields}
+    cfg = _build(given, _cli_settings_source=args.config_source(parsed_args=args))
     cfg.validate()
     return cfg

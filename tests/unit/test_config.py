@@ -1,11 +1,12 @@
-"""Flags, environment fallbacks and refused combinations."""
+"""Flags, environment fallbacks, bad values and refused combinations."""
 from __future__ import annotations
 
 import argparse
 
 import pytest
 
-from decode_worker.config import ConfigError, add_config_args, config_from_args
+from decode_worker.config import ConfigError, ServerConfig, add_config_args, config_from_args, config_from_env
+from decode_worker.core.policies import PrefetchMode, Role, StorageBackend, WritePolicy
 
 
 def parse(argv, monkeypatch=None, env=None):
@@ -37,8 +38,72 @@ def test_hicache_without_radix_is_refused():
 
 
 def test_bad_choice_from_environment_is_refused(monkeypatch):
-    with pytest.raises(ConfigError, match="write-policy must be one of"):
+    with pytest.raises(ConfigError, match="^DECODE_WORKER_DISAGGREGATION_DECODE_HICACHE_WRITE_POLICY must be one of "
+                                          "write_through, write_through_selective, write_back, not 'write_thru'$"):
         parse([], monkeypatch, {"DECODE_WORKER_DISAGGREGATION_DECODE_HICACHE_WRITE_POLICY": "write_thru"})
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("PORT", "abc", "DECODE_WORKER_PORT must be an integer, not 'abc'"),
+    ("MAX_TOTAL_TOKENS", "1.5", "DECODE_WORKER_MAX_TOTAL_TOKENS must be an integer, not '1.5'"),
+    ("KV_LEASE_S", "soon", "DECODE_WORKER_KV_LEASE_S must be a number, not 'soon'"),
+    ("DISAGGREGATION_DECODE_ENABLE_RADIX_CACHE", "maybe",
+     ("DECODE_WORKER_DISAGGREGATION_DECODE_ENABLE_RADIX_CACHE must be true or false (or 1/0, yes/no, on/off), "
+      "not 'maybe'")),
+    ("ROLE", "Decode", "DECODE_WORKER_ROLE must be one of colocated, prefill, decode, not 'Decode'"),
+])
+def test_bad_environment_value_names_the_variable(monkeypatch, name, value, message):
+    monkeypatch.setenv("DECODE_WORKER_" + name, value)
+    for load in (config_from_env, lambda: parse([])):
+        with pytest.raises(ConfigError) as e:
+            load()
+        assert str(e.value) == message
+
+
+def test_bad_flag_value_names_the_flag(monkeypatch):
+    monkeypatch.setenv("DECODE_WORKER_PORT", "7")
+    with pytest.raises(ConfigError) as e:
+        parse(["--port", "x1", "--hicache-storage-backend", "s3"])
+    assert str(e.value).splitlines() == ["--port must be an integer, not 'x1'",
+                                         "--hicache-storage-backend must be one of none, file, redis, not 's3'"]
+
+
+@pytest.mark.parametrize("value,expected", [(v, True) for v in ("1", "true", "TRUE", "yes", "on")]
+                         + [(v, False) for v in ("0", "false", "no", "off")])
+def test_boolean_spellings(monkeypatch, value, expected):
+    cfg = parse([], monkeypatch, {"DECODE_WORKER_DISAGGREGATION_DECODE_ENABLE_RADIX_CACHE": value})
+    assert cfg.disaggregation_decode_enable_radix_cache is expected
+
+
+def test_empty_variable_counts_as_unset(monkeypatch):
+    """compose's `${VAR:-}` sets a variable to the empty string."""
+    cfg = parse([], monkeypatch, {"DECODE_WORKER_PORT": "", "DECODE_WORKER_HICACHE_STORAGE_URL": "",
+                                  "DECODE_WORKER_DISAGGREGATION_DECODE_ENABLE_RADIX_CACHE": ""})
+    assert (cfg.port, cfg.hicache_storage_url, cfg.disaggregation_decode_enable_radix_cache) == (30000, None, False)
+
+
+def test_policy_fields_are_the_policy_enums(monkeypatch):
+    cfg = parse(["--role", "prefill", "--hicache-storage-prefetch-policy", "timeout"], monkeypatch,
+                {"DECODE_WORKER_DISAGGREGATION_DECODE_HICACHE_WRITE_POLICY": "write_back"})
+    assert cfg.role is Role.PREFILL and cfg.role == "prefill"
+    assert cfg.disaggregation_decode_hicache_write_policy is WritePolicy.WRITE_BACK
+    assert cfg.hicache_storage_prefetch_policy is PrefetchMode.TIMEOUT
+    assert cfg.hicache_storage_backend is StorageBackend.NONE
+
+
+def test_help_shows_defaults_variables_and_choices():
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--port int HTTP port (default: 30000) [env: DECODE_WORKER_PORT]" in text
+    assert "--role {colocated,prefill,decode}" in text and "(default: colocated)" in text
+    assert "--no-disaggregation-decode-enable-hicache" in text
+
+
+def test_direct_construction_reads_the_environment(monkeypatch):
+    """ServerConfig is a BaseSettings: built in code, it still takes DECODE_WORKER_* for fields not passed."""
+    monkeypatch.setenv("DECODE_WORKER_PAGE_SIZE", "32")
+    assert ServerConfig(port=1).page_size == 32
 
 
 def test_redis_backend_needs_a_url():

