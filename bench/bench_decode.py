@@ -1,4 +1,5 @@
-"""Decode throughput: our paged runner vs transformers `generate` on SmolLM2, same prompts, one run.
+"""Decode throughput: the server's scheduler and paged runner (through the offline ``LLM``) vs transformers
+`generate` on SmolLM2, same prompts, one run.
 
 Prints one JSON line: tokens/s of both and their ratio per batch size.
 Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtype float32]
@@ -12,8 +13,8 @@ import time
 
 import torch
 
-from decode_worker.engine.llm import LLM
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.llm import LLM
 from decode_worker.model.embedded import ensure_default_model
 
 PROMPTS = [

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.prefix_cache import NoPrefixReuse
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
 from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
@@ -19,6 +20,7 @@ from decode_worker.metrics import Metrics
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.roles import COLOCATED
 from decode_worker.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -102,11 +104,12 @@ class Engine:
 
             self.handoff = KVHandoff(cfg, self.runner.pool, await KVSender.start(), self.metrics)
         self.scheduler = Scheduler(
-            self.runner, self.cache, self.metrics,
-            eos_token_ids=tok.eos_token_ids, decode_text=tok.decode, radix=cfg.radix_cache,
+            self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,
+            eos_token_ids=tok.eos_token_ids, decode_text=tok.decode,
             max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
-            load_back_timeout_s=cfg.load_back_timeout_s, kv_source=self.fetcher,
-            on_prefilled=self.handoff.on_prefilled if self.handoff else None,
+            load_back_timeout_s=cfg.load_back_timeout_s,
+            source=self.fetcher if self.fetcher is not None else COLOCATED,
+            done=self.handoff if self.handoff is not None else COLOCATED,
         )
         if self.handoff is not None:
             self.handoff.scheduler = self.scheduler
@@ -175,7 +178,7 @@ class Engine:
         """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping)."""
         scheduler = self.require_ready()
         if self.config.role == "decode":
-            if scheduler._task is None or scheduler._task.done():
+            if not scheduler.loop_running:
                 raise RequestError("scheduler loop is not running", 503, "unavailable")
             return
         stream = scheduler.submit(GenerateInput(f"health-{time.monotonic_ns()}", [self.tokenizer.encode("hi")[0]],

@@ -26,7 +26,7 @@ from decode_worker.transfer.wire import TransferError
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
-    from decode_worker.scheduler.scheduler import Req
+    from decode_worker.scheduler.req import Req
 
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
 HANDSHAKE_KEEPALIVE_S = 1.0
@@ -42,7 +42,10 @@ def handshake_client(timeout_s: float) -> httpx.AsyncClient:
 
 
 class DeltaKVFetcher:
-    def __init__(self, config: ServerConfig, pool: "KVPool", receiver: KVReceiver, metrics: Metrics):
+    """The decode role's prompt source (``scheduler.roles.PromptSource``): a fresh request's prompt KV comes
+    from its prefill peer."""
+
+    def __init__(self, config: ServerConfig, pool: KVPool, receiver: KVReceiver, metrics: Metrics):
         self.config = config
         self.pool = pool
         self.receiver = receiver
@@ -57,7 +60,11 @@ class DeltaKVFetcher:
         self.metrics.transfer_failures.labels(reason).inc()
         return RequestError(message, status, "kv_transfer_error")
 
-    async def __call__(self, req: "Req", delta_pages: torch.Tensor) -> tuple[int, float]:
+    def receives(self, req: Req) -> bool:
+        """Every fresh prompt comes from prefill; a retracted request recomputes what it lost here."""
+        return not req.seq.output_ids
+
+    async def receive(self, req: Req, delta_pages: torch.Tensor) -> tuple[int, float]:
         """Receive KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
         boot = req.inp.bootstrap
         layout = self.pool.layout

@@ -27,7 +27,8 @@ from decode_worker.transfer.wire import Trailer, TransferError
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
     from decode_worker.config import ServerConfig
-    from decode_worker.scheduler.scheduler import Req, Scheduler
+    from decode_worker.scheduler.req import Req
+    from decode_worker.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,20 @@ def check_pd_token(expected: str, given: str | None) -> None:
 
 @dataclass
 class _Lease:
-    req: "Req"
+    req: Req
     expires: float
 
 
 @dataclass
 class KVHandoff:
-    config: "ServerConfig"
-    pool: "KVPool"
+    """The prefill role's end of a prompt (``scheduler.roles.PromptDone``): a PD request's KV is held under a
+    lease for its decode peer and pushed when the peer's handshake comes."""
+
+    config: ServerConfig
+    pool: KVPool
     sender: KVSender
     metrics: Metrics
-    scheduler: "Scheduler | None" = None
+    scheduler: Scheduler | None = None
     staging: StagingPool | None = None  # on the pool's device, where pages are gathered
     leases: dict[int, _Lease] = field(default_factory=dict)
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
@@ -72,8 +76,8 @@ class KVHandoff:
         if self.staging is None:
             self.staging = StagingPool(self.pool.buffer.device)
 
-    def on_prefilled(self, req: "Req") -> bool:
-        """Scheduler hook after the first token: hold a PD request's KV for its decode peer."""
+    def hold(self, req: Req) -> bool:
+        """After the first token: hold a PD request's KV for its decode peer."""
         if req.inp.bootstrap is None:
             return False  # a plain request on a prefill worker is served to the end
         room = req.inp.bootstrap.room
@@ -109,7 +113,7 @@ class KVHandoff:
             self.scheduler.release_held(req)
             raise
 
-    async def _start_push(self, body: HandshakeBody, req: "Req") -> dict:
+    async def _start_push(self, body: HandshakeBody, req: Req) -> dict:
         """Check the decode side's view of the prompt, then push its delta KV in the background."""
         layout = self.pool.layout
         prompt = req.seq.prompt_ids
@@ -142,7 +146,7 @@ class KVHandoff:
             raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
         return lease
 
-    async def _push(self, req: "Req", address: bytes, room: int, pages: torch.Tensor, trailer: Trailer) -> None:
+    async def _push(self, req: Req, address: bytes, room: int, pages: torch.Tensor, trailer: Trailer) -> None:
         """Gather the pages into a staging buffer and send it; the held pages are released whatever happens."""
         layout = self.pool.layout
         try:

@@ -3,7 +3,7 @@ into L2 while they wait.
 
 The head of the queue waits for its prefetch as the prefetch policy says (best_effort: not at all); then the
 pages that arrived join the tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back
-restores them with the rest of the prefix.
+restores them with the rest of the prefix. A request with a fetch that has not settled is MATCHING.
 """
 from __future__ import annotations
 
@@ -16,18 +16,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.prefix_cache import PrefetchCache
 from decode_worker.cache.storage.tier import Prefetch
 
 if TYPE_CHECKING:
-    from decode_worker.scheduler.scheduler import Req
+    from decode_worker.scheduler.req import Req
 
 STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
 
 
 @dataclass(eq=False)
 class StorageFetch:
-    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it."""
+    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it; ``span``
+    then names the pages of the prompt that it put into the tree."""
 
     key: list[int]  # the tokens the request matches with
     from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
@@ -37,12 +38,13 @@ class StorageFetch:
     prefetch: Prefetch | None = None
     host_pages: torch.Tensor | None = None
     settled: bool = False
+    span: range = range(0)
 
 
 class StorageLookahead:
     """The scheduler's L3 side. ``wakeup`` is set whenever a lookup or prefetch makes progress."""
 
-    def __init__(self, cache: HierarchicalCache, page_size: int, match_key: Callable[[Req], list[int]],
+    def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], list[int]],
                  wakeup: asyncio.Event):
         self.cache = cache
         self.storage = cache.storage
@@ -51,26 +53,31 @@ class StorageLookahead:
         self.wakeup = wakeup
         self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
 
-    def start(self, queue: Iterable[Req]) -> None:
-        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait."""
+    def start(self, queue: Iterable[Req]) -> list[Req]:
+        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait;
+        returns those whose lookup began."""
+        started = []
         for req in itertools.islice(queue, STORAGE_LOOKAHEAD):
-            if req.fetch is None and not req.seq.output_ids and req.aborted is None:
-                self._start_fetch(req, defer=True)
+            fresh = req.fetch is None and not req.seq.output_ids and req.aborted is None
+            if fresh and self._start_fetch(req, defer=True):
+                started.append(req)
+        return started
 
-    def _start_fetch(self, req: Req, defer: bool) -> None:
+    def _start_fetch(self, req: Req, defer: bool) -> bool:
         """Start the request's L3 lookup for the pages past its L1 + L2 hit. With ``defer``, a request whose next
-        page an earlier request is already fetching starts nothing: it looks again once that one settled."""
+        page an earlier request is already fetching starts nothing (False): it looks again once that one settled."""
         key = self.match_key(req)
         match = self.cache.match(key)
         keys = self.cache.storage_keys(match)
         if defer and keys and self._fetching[keys[0]]:
-            return
+            return False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.storage.prefetch_deadline_s(len(keys) * self.page_size)
         req.fetch = fetch = StorageFetch(key, match.hit_tokens // self.page_size, keys, deadline)
         if keys:
             self._fetching.update(keys)
             fetch.task = loop.create_task(self._fetch(fetch))
+        return True
 
     async def _fetch(self, fetch: StorageFetch) -> None:
         """Ask the store how much of the prefix it holds, start moving that into L2, and wait as the policy says
@@ -123,5 +130,5 @@ class StorageLookahead:
             return
         arrived = fetch.prefetch.stop() if fetch.prefetch is not None else 0
         if insert and arrived:
-            req.storage_span = self.cache.insert_host(fetch.key, pages[:arrived], fetch.from_page)
+            fetch.span = self.cache.insert_host(fetch.key, pages[:arrived], fetch.from_page)
         self.cache.free_host(pages[arrived if insert else 0 :])

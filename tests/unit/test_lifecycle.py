@@ -19,8 +19,9 @@ from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache, LoadHandle, MatchResult
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
-from decode_worker.scheduler.scheduler import Req, Scheduler
 from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.scheduler.req import Req
+from decode_worker.scheduler.scheduler import Scheduler
 from tests.unit.test_scheduler import GREEDY, make_scheduler, offline, settle  # noqa: F401
 
 PAGE = 4
@@ -92,9 +93,9 @@ def test_abort_while_queued(tiny_models, offline):
 
     async def scenario():
         running = asyncio.ensure_future(collect(submit(scheduler, "running", WARM)))
-        await wait_until(lambda: scheduler.running)
+        await wait_until(lambda: scheduler.queues.running)
         queued = submit(scheduler, "queued", FOLLOW)
-        assert scheduler.requests["queued"] in scheduler.prealloc
+        assert scheduler.requests["queued"] in scheduler.queues.prealloc
         scheduler.abort("queued")
         return await collect(queued), await running
 
@@ -116,7 +117,7 @@ def test_abort_while_loading_back_from_l2(tiny_models, offline):
         cache.evict_device(cache.tree.device_pages)  # now only on L2
         stream = submit(scheduler, "restoring", FOLLOW)
         req = scheduler.requests["restoring"]
-        await wait_until(lambda: req in scheduler.loading)
+        await wait_until(lambda: req in scheduler.queues.loading)
         assert req.handle.restored_tokens >= len(PREFIX) and not req.handle.ready()
         scheduler.abort("restoring")
         aborted = await collect(stream)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -10,15 +11,32 @@ import torch
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
-from decode_worker.engine.llm import LLM
 from decode_worker.core.request import GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
-from decode_worker.scheduler.scheduler import KVSource, Req, Scheduler
+from decode_worker.engine.llm import LLM
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.batch import Batch, BatchKind
+from decode_worker.scheduler.req import Req
+from decode_worker.scheduler.scheduler import Scheduler
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+KVSource = Callable[[Req, torch.Tensor], Awaitable[tuple[int, float]]]
+
+
+class PeerKV:
+    """A decode role's prompt source around a test's ``kv_source(req, pages)``: fresh prompts arrive from it."""
+
+    def __init__(self, kv_source: KVSource):
+        self.kv_source = kv_source
+
+    def receives(self, req: Req) -> bool:
+        return not req.seq.output_ids
+
+    def receive(self, req: Req, delta_pages: torch.Tensor):
+        return self.kv_source(req, delta_pages)
 
 
 def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through", *,
@@ -29,8 +47,9 @@ def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_p
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
     copies = engine(runner.pool.buffer, host.buffer) if host is not None else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=copies)
-    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", radix=True,
-                     max_running=max_running, max_prefill_tokens=512, load_back_timeout_s=10, kv_source=kv_source)
+    roles = {"source": PeerKV(kv_source)} if kv_source is not None else {}
+    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "",
+                     max_running=max_running, max_prefill_tokens=512, load_back_timeout_s=10, **roles)
 
 
 async def run_all(scheduler: Scheduler, prompts, params=GREEDY, abort_after: dict | None = None, first_alone=False,
@@ -91,7 +110,8 @@ def prompts():
 @pytest.fixture(scope="module")
 def offline(tiny_models) -> LLM:
     """The cache-free reference engine (float64, so greedy picks do not flip on rounding)."""
-    return LLM(str(tiny_models["llama"]), max_total_tokens=4096, page_size=4, dtype=torch.float64, load_tokenizer=False)
+    return LLM(str(tiny_models["llama"]), max_total_tokens=4096, page_size=4, dtype=torch.float64, load_tokenizer=False,
+               prefix_cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +139,14 @@ def test_requests_arriving_while_a_prefix_is_generated_hit_it(tiny_models, promp
 def test_requests_sharing_a_prefix_at_once_keep_one_copy(tiny_models, prompts, reference):
     """Six requests admitted together all miss, but right after their prefill only one copy of the prefix is on L1."""
     scheduler = make_scheduler(tiny_models["llama"], 4096)
-    extend_step, used = scheduler._extend_step, []
+    postprocess, used = scheduler.postprocess, []
 
-    async def measured():
-        await extend_step()
-        used.append(scheduler.cache.device_alloc.num_used)
+    def measured(batch: Batch, logits: torch.Tensor) -> None:
+        postprocess(batch, logits)
+        if batch.kind is BatchKind.EXTEND:
+            used.append(scheduler.cache.device_alloc.num_used)
 
-    scheduler._extend_step = measured
+    scheduler.postprocess = measured
     assert asyncio.run(run_all(scheduler, prompts[:6])) == reference[:6]
     shared = 24 // scheduler.page_size
     assert used[0] == shared + sum(-(-len(p) // scheduler.page_size) - shared for p in prompts[:6])
@@ -180,7 +201,7 @@ def watch_resumptions(scheduler: Scheduler) -> list[tuple[int, int, int]]:
     it found cached on resuming, of which restored from L2). Filled in as the scheduler runs."""
     retracted: dict[str, list[int]] = {}
     seen: list[tuple[int, int, int]] = []
-    retract, try_alloc, ps = scheduler._retract, scheduler._try_alloc, scheduler.page_size
+    retract, try_alloc, ps = scheduler._retract, scheduler.admission.try_alloc, scheduler.page_size
 
     def watched_retract(req: Req) -> None:
         retracted.setdefault(req.rid, []).append(req.seq.num_computed // ps * ps)
@@ -192,7 +213,7 @@ def watch_resumptions(scheduler: Scheduler) -> list[tuple[int, int, int]]:
             seen.append((retracted[req.rid].pop(0), req.prefix_pages * ps, req.handle.restored_tokens))
         return ok
 
-    scheduler._retract, scheduler._try_alloc = watched_retract, watched_try_alloc
+    scheduler._retract, scheduler.admission.try_alloc = watched_retract, watched_try_alloc
     return seen
 
 

@@ -18,12 +18,12 @@ from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
 from decode_worker.core.request import GenerateInput, RequestError
-from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.transfer.staging import run_page_copy
-from tests.unit.test_scheduler import GREEDY, run_all, settle
+from tests.unit.test_scheduler import GREEDY, PeerKV, run_all, settle
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,9 @@ def make(path, max_total_tokens: int, engine_cls=None, host_ratio: float = 3.0, 
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
     engine = engine_cls(runner.pool, host) if engine_cls and host else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
-    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", radix=True,
-                     max_running=32, max_prefill_tokens=512, load_back_timeout_s=10, kv_source=kv_source)
+    roles = {"source": PeerKV(kv_source)} if kv_source is not None else {}
+    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "",
+                     max_running=32, max_prefill_tokens=512, load_back_timeout_s=10, **roles)
 
 
 # -- defect 3: no retraction cascade while a retracted request's backup pins its pages ----------------------------
@@ -183,7 +184,7 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
     check_loading, broken = scheduler._check_loading, []
 
     def failing_once() -> None:
-        live = [r for r in scheduler.loading if r.transfer is not None and not r.transfer.done()]
+        live = [r for r in scheduler.queues.loading if r.transfer is not None and r.transfer.in_flight()]
         if live and started.is_set() and not broken:
             broken.append(True)
             raise RuntimeError("injected scheduler bug")

@@ -1,0 +1,131 @@
+"""What the scheduler uses of the KV cache, as a protocol, and the stand-in for a worker without prefix reuse.
+
+``HierarchicalCache`` satisfies ``PrefixCache`` (and, with L3 storage, ``PrefetchCache``) structurally. With the
+radix cache off, the engine hands the scheduler ``NoPrefixReuse(cache)``: it matches nothing and frees what it
+would insert, so the scheduler runs the same code either way.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, TypeGuard
+
+import torch
+
+from decode_worker.cache.hicache import HierarchicalCache, LoadHandle, MatchResult
+from decode_worker.cache.pool import KVPool, PageAllocator
+from decode_worker.cache.radix_tree import TOKEN_BYTES, Tokens, token_key
+
+if TYPE_CHECKING:
+    from decode_worker.cache.storage.tier import StorageTier
+
+
+class PrefixCache(Protocol):
+    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth."""
+
+    @property
+    def storage(self) -> StorageTier | None: ...
+
+    @property
+    def device_alloc(self) -> PageAllocator:
+        """L1's allocator; the scheduler reads its ``total`` (what a request must fit in)."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """Copies are in flight: the scheduler keeps polling until they land."""
+        ...
+
+    def match(self, tokens: Tokens) -> MatchResult: ...
+
+    def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle: ...
+
+    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens,
+                        pages: torch.Tensor) -> tuple[LoadHandle, torch.Tensor]: ...
+
+    def insert(self, tokens: Tokens, device_pages: torch.Tensor, *, backup: bool = False) -> int: ...
+
+    def release(self, handle: LoadHandle) -> None: ...
+
+    def alloc_device(self, n: int) -> torch.Tensor: ...
+
+    def free_device(self, pages: torch.Tensor) -> None: ...
+
+    def available_device_pages(self) -> int: ...
+
+    def pages_soon_free(self) -> int: ...
+
+    def poll(self) -> int: ...
+
+
+class PrefetchCache(PrefixCache, Protocol):
+    """What the L3 lookahead uses besides: L2 pages for a prefetch, and attaching what arrived to the tree."""
+
+    @property
+    def storage(self) -> StorageTier: ...
+
+    @property
+    def host_pool(self) -> KVPool | None: ...
+
+    def storage_keys(self, match: MatchResult) -> list[str]: ...
+
+    def alloc_host(self, n: int) -> torch.Tensor | None: ...
+
+    def free_host(self, pages: torch.Tensor) -> None: ...
+
+    def insert_host(self, tokens: Tokens, host_pages: torch.Tensor, from_page: int) -> range: ...
+
+
+def has_storage(cache: PrefixCache) -> TypeGuard[PrefetchCache]:
+    """A cache with an L3 tier offers the prefetch calls too (only a ``HierarchicalCache`` has one)."""
+    return cache.storage is not None
+
+
+class NoPrefixReuse:
+    """A cache that reuses nothing (the decode role without ``--disaggregation-decode-enable-radix-cache``):
+    every match is empty and inserted pages are freed; pages, locks and polling go to the wrapped cache."""
+
+    storage = None  # L3 storage needs the radix cache (the flags say so)
+
+    def __init__(self, cache: HierarchicalCache):
+        self.cache = cache
+
+    @property
+    def device_alloc(self) -> PageAllocator:
+        return self.cache.device_alloc
+
+    @property
+    def busy(self) -> bool:
+        return self.cache.busy
+
+    def match(self, tokens: Tokens) -> MatchResult:
+        return self.cache.match([])
+
+    def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
+        return self.cache.load_back_and_lock(match, extra_pages)
+
+    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens,
+                        pages: torch.Tensor) -> tuple[LoadHandle, torch.Tensor]:
+        return handle, pages  # nothing is shared: the request keeps its pages
+
+    def insert(self, tokens: Tokens, device_pages: torch.Tensor, *, backup: bool = False) -> int:
+        """Free the pages ``HierarchicalCache.insert`` would have taken (one per full page of ``tokens``)."""
+        full = len(token_key(tokens)) // TOKEN_BYTES // self.cache.page_size
+        self.cache.free_device(device_pages[:full])
+        return 0
+
+    def release(self, handle: LoadHandle) -> None:
+        self.cache.release(handle)
+
+    def alloc_device(self, n: int) -> torch.Tensor:
+        return self.cache.alloc_device(n)
+
+    def free_device(self, pages: torch.Tensor) -> None:
+        self.cache.free_device(pages)
+
+    def available_device_pages(self) -> int:
+        return self.cache.available_device_pages()
+
+    def pages_soon_free(self) -> int:
+        return self.cache.pages_soon_free()
+
+    def poll(self) -> int:
+        return self.cache.poll()

@@ -1,0 +1,113 @@
+"""Admission: from the queue to loading, in FIFO order.
+
+While requests wait, the first few look up and prefetch from L3 (the lookahead; they are MATCHING meanwhile).
+The head is then matched against the cache without changing anything, its restore plus delta are checked
+against the L1 pages there are, and only then is its prefix locked, its load-back started and its delta
+allocated (``try_alloc``). Retracted requests go first; new ones wait while any is retracted.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from decode_worker.cache.pool import OutOfPages
+from decode_worker.cache.prefix_cache import PrefixCache, has_storage
+from decode_worker.core.lifecycle import CacheHits, ReqState
+from decode_worker.metrics import Metrics
+from decode_worker.scheduler.lookahead import StorageLookahead
+from decode_worker.scheduler.queues import Queues
+from decode_worker.scheduler.req import KVTransfer, Req
+from decode_worker.scheduler.roles import PromptSource
+
+S = ReqState
+
+
+class Admission:
+    def __init__(self, cache: PrefixCache, queues: Queues, source: PromptSource, metrics: Metrics,
+                 wakeup: asyncio.Event, *, page_size: int, max_running: int):
+        self.cache = cache
+        self.queues = queues
+        self.source = source
+        self.metrics = metrics
+        self.wakeup = wakeup  # set when a transfer ends, so the loop applies it at once
+        self.page_size = page_size
+        self.max_running = max_running
+        self.lookahead = StorageLookahead(cache, page_size, self.match_key, wakeup) if has_storage(cache) else None
+
+    def look_ahead(self) -> None:
+        """Start the L3 lookups of the first queued requests, so their pages arrive while they wait."""
+        if self.lookahead is not None:
+            for req in self.lookahead.start(self.queues.prealloc):
+                self.queues.move(req, S.MATCHING)
+
+    def admit(self) -> None:
+        """Admit from the head of the queue while batch slots and L1 pages allow."""
+        while True:
+            queue = self.queues.retracted or self.queues.prealloc
+            if not queue or self.queues.admitted() >= self.max_running:
+                return
+            req = queue[0]
+            if not self._settled(req):
+                return  # the head waits for its prefetch as its policy says; FIFO, so the rest wait behind it
+            if not self.try_alloc(req):
+                return
+
+    def forget(self, req: Req) -> None:
+        """A request leaving before admission: stop its prefetch and free the L2 pages it took."""
+        if self.lookahead is not None:
+            self.lookahead.settle(req, insert=False)
+
+    def _settled(self, req: Req) -> bool:
+        """True once ``req`` is done with L3; a queued request waiting for its prefetch is MATCHING meanwhile."""
+        if self.lookahead is None:
+            return True
+        settled = self.lookahead.settled(req)
+        if settled and req.state is S.MATCHING:
+            self.queues.move(req, S.QUEUED)
+        elif not settled and req.state is S.QUEUED:
+            self.queues.move(req, S.MATCHING)
+        return settled
+
+    def match_key(self, req: Req) -> list[int]:
+        """Tokens whose cached KV the request can use. Locally computed requests need at least their last token
+        extended to get its logits; a received prompt gets KV for all of it."""
+        seq = req.seq
+        return seq.prompt_ids if self.source.receives(req) else seq.token_ids[:-1]
+
+    def try_alloc(self, req: Req) -> bool:
+        """Match, check the budget, lock and allocate; False (taking nothing) when it does not fit now. On
+        success the request is LOADING, or TRANSFERRING with its receive started."""
+        seq, ps = req.seq, self.page_size
+        receives = self.source.receives(req)
+        match = self.cache.match(self.match_key(req))
+        kv_tokens = len(seq.prompt_ids) if receives else seq.num_tokens
+        delta = -(-kv_tokens // ps) - match.hit_tokens // ps
+        restore = match.host_hit_tokens // ps
+        headroom = len(self.queues.running)  # one page of growth per running request
+        if restore + delta + headroom > self.cache.available_device_pages():
+            return False
+        try:
+            req.handle = self.cache.load_back_and_lock(match, extra_pages=delta)
+        except OutOfPages:
+            return False
+        req.prefix_pages = req.handle.device_indices.numel()
+        if not seq.output_ids:  # report only the first admission, not a resumption
+            self._count_hits(req)
+        req.transfer = KVTransfer(time.monotonic())
+        if receives:
+            task = asyncio.get_running_loop().create_task(self.source.receive(req, req.handle.delta_pages))
+            task.add_done_callback(lambda _: self.wakeup.set())
+            req.transfer.task = task
+        self.queues.move(req, S.TRANSFERRING if receives else S.LOADING)
+        return True
+
+    def _count_hits(self, req: Req) -> None:
+        """What the request found cached per tier: on L1, restored from L2, and the part of that restore its L3
+        prefetch brought into L2."""
+        h, ps = req.handle, self.page_size
+        span = req.fetch.span if req.fetch is not None else range(0)
+        restored_from = req.prefix_pages - h.restored_tokens // ps  # restored pages end the prefix
+        storage = max(0, min(span.stop, req.prefix_pages) - max(span.start, restored_from)) * ps
+        req.hits = CacheHits(h.device_hit_tokens, h.restored_tokens - storage, storage)
+        for tier, n in req.hits.as_dict().items():
+            self.metrics.cached_tokens.labels(tier).inc(n)

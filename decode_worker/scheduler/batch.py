@@ -1,0 +1,36 @@
+"""A batch the scheduler picked: which requests, and the forward that runs them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.req import Req
+
+
+class BatchKind(Enum):
+    EXTEND = "extend"  # each request's uncomputed tokens (a prompt, or a resumed request's lost KV)
+    DECODE = "decode"  # one token per running request
+
+
+@dataclass(eq=False)
+class Batch:
+    kind: BatchKind
+    reqs: list[Req]
+    forward: ForwardBatch  # what ``ModelRunner.forward`` runs; its logits go to ``Scheduler.postprocess``
+
+
+def extend_batch(runner: ModelRunner, reqs: list[Req]) -> Batch:
+    seqs = [r.seq for r in reqs]
+    fb = runner.build_batch([s.token_ids[s.num_computed:] for s in seqs], [s.num_computed for s in seqs],
+                            [s.pages for s in seqs])
+    return Batch(BatchKind.EXTEND, reqs, fb)
+
+
+def decode_batch(runner: ModelRunner, reqs: list[Req]) -> Batch:
+    """Each request's last token, whose KV the forward writes (the last sampled one, or a prompt's last)."""
+    seqs = [r.seq for r in reqs]
+    last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+    fb = runner.build_batch([[t] for t in last], [s.num_tokens - 1 for s in seqs], [s.pages for s in seqs])
+    return Batch(BatchKind.DECODE, reqs, fb)

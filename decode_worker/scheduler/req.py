@@ -1,0 +1,89 @@
+"""One request in the scheduler: its lifecycle state, the cache handle and pages it owns, and what it waits for.
+
+Page ownership: the cache handle locks the matched prefix (pages the tree owns, the first ``prefix_pages`` of
+``seq.pages``); after the load-back the request owns the rest of ``seq.pages``. The full pages a request computed
+or received join the tree at once and the handle moves down to lock them (``cache_computed``), so concurrent
+requests sharing a fresh prefix hit them. Every exit goes through ``release``.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from decode_worker.cache.hicache import LoadHandle
+from decode_worker.cache.prefix_cache import PrefixCache
+from decode_worker.core.lifecycle import CacheHits, ReqState
+from decode_worker.core.request import GenerateInput, RequestError, RequestStream
+from decode_worker.core.sequence import Sequence
+from decode_worker.scheduler.lookahead import StorageFetch
+
+
+@dataclass(eq=False)
+class KVTransfer:
+    """What an admitted request waits for since ``since``: its prefix's L2->L1 load-back (through the cache
+    handle) and, when its role receives the prompt's KV, the task receiving it from prefill."""
+
+    since: float  # admission; the load-back deadline counts from here
+    task: asyncio.Task[tuple[int, float]] | None = None  # returns prefill's first token and its logprob
+
+    def in_flight(self) -> bool:
+        """The receive may still write into the request's pages: nothing may free them yet."""
+        return self.task is not None and not self.task.done()
+
+
+@dataclass(eq=False)
+class Req:
+    inp: GenerateInput
+    stream: RequestStream
+    seq: Sequence
+    state: ReqState = ReqState.QUEUED  # changed only by Queues.move, which keeps it in its state's queue
+    handle: LoadHandle | None = None
+    prefix_pages: int = 0  # leading pages of seq.pages owned by the tree (locked through the handle)
+    hits: CacheHits | None = None  # set at the first admission
+    transfer: KVTransfer | None = None  # while LOADING or TRANSFERRING
+    fetch: StorageFetch | None = None  # the L3 lookahead's lookup, prefetch and the span it attached
+    aborted: RequestError | None = None  # why it must end; it is torn down (ABORTED) at the next safe point
+    first_token_sent: bool = False
+    retries: int = 0  # failed load-backs so far
+
+    @property
+    def rid(self) -> str:
+        return self.inp.rid
+
+    @property
+    def cached_tokens(self) -> dict[str, int]:
+        return self.hits.as_dict() if self.hits is not None else {}
+
+    def take_pages(self) -> None:
+        """The load-back landed: the prefix pages and the delta pages become the sequence's pages."""
+        self.seq.pages = self.handle.take_pages().tolist()
+
+    def cache_computed(self, cache: PrefixCache, page_size: int) -> None:
+        """Put the new fully computed pages into the tree now rather than at finish, so concurrent requests
+        with the same prefix hit them (and this one drops its copy of a prefix another just cached)."""
+        seq = self.seq
+        if seq.num_computed // page_size <= self.prefix_pages:
+            return
+        pages = torch.tensor(seq.pages, dtype=torch.int64)
+        self.handle, pages = cache.cache_in_flight(self.handle, seq.token_ids[: seq.num_computed], pages)
+        self.prefix_pages, seq.pages = self.handle.device_indices.numel(), pages.tolist()
+
+    def release(self, cache: PrefixCache, page_size: int, *, insert: bool = True, backup: bool = False) -> None:
+        """Give back everything the request holds; its fully computed pages go into the tree (``insert``), backed
+        up to L2 now with ``backup`` (a retraction)."""
+        if self.handle is None:
+            return
+        seq = self.seq
+        if seq.pages:
+            pages = torch.tensor(seq.pages, dtype=torch.int64)
+            owned_from = self.prefix_pages
+            if insert:
+                full = min(seq.num_computed, seq.num_tokens) // page_size
+                if full > 0:
+                    cache.insert(seq.token_ids[: full * page_size], pages[:full], backup=backup)
+                owned_from = max(full, self.prefix_pages)
+            cache.free_device(pages[owned_from:])
+        cache.release(self.handle)
+        self.handle, self.prefix_pages, seq.pages, seq.num_computed = None, 0, [], 0
