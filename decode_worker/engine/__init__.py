@@ -1,0 +1,3 @@
+"""Builds the model, cache, scheduler and PD halves from the flags; the offline LLM drives the same scheduler.
+
+How the packages fit together: docs/architecture.md."""

@@ -12,7 +12,7 @@ import torch
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.prefix_cache import NoPrefixReuse
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
-from decode_worker.config import ServerConfig
+from decode_worker.config import ServerConfig, package_version
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.wiring import open_storage
@@ -203,7 +203,7 @@ class Engine:
         info = {k: v for k, v in vars(cfg).items() if k not in SECRETS}
         if cfg.hicache_storage_url:  # a redis://user:password@host URL must not leak through the API
             info["hicache_storage_url"] = re.sub(r"//[^@/]*@", "//***@", cfg.hicache_storage_url)
-        info.update(served_model_name=self.model_name, model_path=self.model_path, version="0.1.0", ready=self.ready)
+        info.update(served_model_name=self.model_name, model_path=self.model_path, version=package_version(), ready=self.ready)
         if self.runner is not None:
             info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),
                         max_context=self.runner.config.max_context, max_total_num_tokens=cfg.max_total_tokens)
