@@ -23,9 +23,10 @@ them to L1. Pages reach L3 after they reach L2: each successful L1->L2 copy queu
 (all of them, or under ``hit_twice`` those hit at least twice; a node already on L2 is queued on its second hit).
 
 Tiers per node: device-only, device+host, host-only. Device nodes are closed under ancestors (a parent is on
-device when a child is), host-only nodes hang below nodes that are in some tier, and a node in neither tier is
-removed with its subtree. Copies run on the ``CopyEngine`` in submission order; each pending copy holds a lock
-on the nodes it reads or writes, so neither tier can free pages under a running copy.
+device when a child is). A node that loses its last tier is removed with its subtree; a locked one (a gap) stays,
+unmatched, with whatever hangs below it, until its last unlock drops them. Copies run on the ``CopyEngine`` in
+submission order; each pending copy holds a lock on the nodes it reads or writes, so neither tier can free pages
+under a running copy.
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ class PendingCopy:
     kind: str  # "load" (L2->L1) or "backup" (L1->L2)
     nodes: list[TreeNode]  # nodes whose data it writes, in path order; kept current across splits
     locked: list[TreeNode]  # nodes it holds a lock on
-    deps: list[PendingCopy] = field(default_factory=list)  # earlier copies whose output it reads
-    drain: torch.Tensor = _NO_PAGES  # L1 pages to free once done (write_back eviction)
+    deps: list[PendingCopy] = field(default_factory=list)  # earlier copies it fails with (reads or loads below)
+    drain: torch.Tensor = _NO_PAGES  # L1 pages to free once done (write_back eviction, a load undone early)
     future: Future | None = None
     ok: bool | None = None  # set when finished
 
@@ -181,7 +182,7 @@ class HierarchicalCache:
         self.engine = engine
         self.counters = CacheCounters()
         self._pending: deque[PendingCopy] = deque()
-        self._draining = 0  # L1 pages that pending write_back copies free when done
+        self._draining = 0  # L1 pages that pending copies free when done
 
     # -- matching ---------------------------------------------------------------------------------------------
 
@@ -263,9 +264,18 @@ class HierarchicalCache:
         )
 
     def _start_load(self, nodes: list[TreeNode], device_pages: torch.Tensor) -> None:
-        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued."""
-        deps = list({n.saving: None for n in nodes if n.saving is not None})
-        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=deps)
+        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued.
+
+        It fails with the copies it reads from (backups still writing its L2 pages) and with earlier loads of
+        its ancestors, whose failure takes its nodes off L1 (``_undo_loads_below``).
+        """
+        deps = {n.saving: None for n in nodes if n.saving is not None}
+        node = nodes[0].parent
+        while node is not self.tree.root:
+            if node.loading is not None:
+                deps[node.loading] = None
+            node = node.parent
+        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=list(deps))
         op.future = self.engine.load(_cat([n.host_indices for n in nodes]), device_pages)
         offset = 0
         for node in nodes:
@@ -580,7 +590,8 @@ class HierarchicalCache:
     # -- backups ----------------------------------------------------------------------------------------------------
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
-        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room."""
+        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises: a
+        write_back eviction batch calls it between marking victims and queueing their demotion."""
         if self.host_alloc is None:
             return None
         short = n - self.host_alloc.num_free
@@ -588,12 +599,19 @@ class HierarchicalCache:
             if short > self._host_evictable_pages():
                 return None  # evicting could not make room: keep L2 as it is
             self.evict_host(short)
-        return self.host_alloc.alloc(n)
+        return self.host_alloc.alloc(n) if self.host_alloc.num_free >= n else None
 
     def _host_evictable_pages(self) -> int:
-        """L2 pages ``evict_host`` can free now: unlocked host-only nodes, none being written."""
+        """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
+        subtree (a write_back victim is marked ``saving`` before its demotion locks it, within one batch)."""
+        blocked: set[TreeNode] = set()  # being written, or above a node that is
+        for node in self.tree.nodes():
+            up = node if node.saving is not None else self.tree.root
+            while up is not self.tree.root and up not in blocked:
+                blocked.add(up)
+                up = up.parent
         return sum(self.tree.num_pages(n) for n in self.tree.nodes()
-                   if n.on_host and not n.on_device and n.lock_ref == 0 and n.saving is None)
+                   if n.on_host and not n.on_device and n.lock_ref == 0 and n not in blocked)
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
         """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
@@ -626,11 +644,11 @@ class HierarchicalCache:
 
     @property
     def draining_pages(self) -> int:
-        """L1 pages that write_back copies free once they land: allocatable soon, not now."""
+        """L1 pages that copies free once they land (write_back demotions, undone loads): allocatable soon."""
         return self._draining
 
     def pages_soon_free(self) -> int:
-        """L1 pages that copies in flight will make allocatable (write_back drains) or evictable (nodes that only a
+        """L1 pages that copies in flight will make allocatable (drains) or evictable (nodes that only a
         backup's lock pins, e.g. a retracted request's). A request short of pages waits for these rather than
         taking someone else's."""
         pinned: dict[TreeNode, int] = {}
@@ -661,24 +679,25 @@ class HierarchicalCache:
             self.engine.close()
 
     def _finish(self, op: PendingCopy) -> None:
-        """A failed or cancelled copy leaves no trace: restored L1 copies and new L2 copies are dropped."""
+        """A failed or cancelled copy leaves no trace: restored L1 copies and new L2 copies are dropped, and so
+        are the L1 copies that later loads restore below a failed load."""
         future, tree = op.future, self.tree
-        failed = future.cancelled() or future.exception() is not None or any(d.ok is False for d in op.deps)
-        ok = not failed
+        ok = not (future.cancelled() or future.exception() is not None or any(d.ok is False for d in op.deps))
         for node in op.nodes:
             if op.kind == "load":
                 node.loading = None
-                if failed or not (node.parent is tree.root or node.parent.on_device):
-                    self.device_alloc.free(tree.clear_device(node))
-                    ok = False
-                else:
+                if ok:
                     self.counters.loaded_back += node.num_tokens
+                else:
+                    self.device_alloc.free(tree.clear_device(node))
             else:
                 node.saving = None
-                if failed:
-                    self.host_alloc.free(tree.clear_host(node))
-                else:
+                if ok:
                     self.counters.backed_up += node.num_tokens
+                else:
+                    self.host_alloc.free(tree.clear_host(node))
+        if op.kind == "load" and not ok and op.nodes:
+            self._undo_loads_below(op.nodes[0])
         if op.kind == "backup" and ok and self.storage is not None:
             hits = 0 if self.storage_backup_policy == "all" else SELECTIVE_HITS
             self._store(n for n in op.nodes if n.hit_count >= hits)
@@ -688,10 +707,22 @@ class HierarchicalCache:
         op.ok = ok
         for node in op.locked:
             tree.unlock(node)
-        if not ok:  # a node may have lost its last tier
-            for node in op.nodes:
+        if not ok:  # a node may have lost its last tier; every node of the op is on a path to a locked one
+            for node in op.locked:
                 if node.parent is not None:
                     self._prune_gap_above(node)
+
+    def _undo_loads_below(self, node: TreeNode) -> None:
+        """Take off L1 what later loads restore below ``node``, whose load failed: a node on L1 has its parent
+        there. Those loads fail too (they depend on this one); as their copies may be running, their pages are
+        freed when each is done."""
+        for n in self.tree.subtree(node):
+            op = n.loading
+            if op is not None:
+                op.nodes.remove(n)
+                n.loading = None
+                op.drain = torch.cat([op.drain, self.tree.clear_device(n)])
+                self._draining += self.tree.num_pages(n)
 
     def _split(self, node: TreeNode, pages: int) -> TreeNode:
         head = self.tree.split(node, pages)
@@ -705,8 +736,8 @@ class HierarchicalCache:
     def stats(self) -> dict:
         """Pages per tier and state (free + used + evictable + locked = total) and token counters per tier.
 
-        ``used``: allocated but not evictable now (L1: request pages and pages draining to L2; L2: host copies of
-        nodes still on L1). ``evictable``: unlocked tree pages the tier could free (L2: host-only ones).
+        ``used``: allocated but not evictable now (L1: request pages and pages copies free once done; L2: host
+        copies of nodes still on L1). ``evictable``: unlocked tree pages the tier could free (L2: host-only ones).
         """
         tree, dev = self.tree, self.device_alloc
         locked = tree.locked_device_pages
@@ -763,11 +794,11 @@ class HierarchicalCache:
                 assert parent is root or parent.on_device, f"{node} is on L1 below a parent that is not"
                 dev.append(node.device_indices)
                 locked_dev += k if node.lock_ref else 0
-            else:
-                assert parent is root or parent.on_device or parent.on_host, f"{node} hangs below a gap"
             if node.on_host:
                 assert node.host_indices.numel() == k, f"{node} has {node.host_indices.numel()} L2 pages"
                 host.append(node.host_indices)
+            # A gap is locked; below it may hang anything not on L1 (one request's path whose demotion failed is
+            # a chain of gaps): match stops at it, and the last unlock drops it with its subtree.
             assert node.on_device or node.on_host or node.lock_ref > 0, f"{node} is in neither tier"
             assert all(op is None or op in pending for op in (node.loading, node.saving)), f"{node} stale copy"
         dev_pages = _cat(dev)

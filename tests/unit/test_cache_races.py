@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.hicache import HierarchicalCache, LoadBackError
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.storage.base import StoreBackend, encode_record
 from decode_worker.cache.storage.tier import StorageTier
@@ -18,6 +18,7 @@ from decode_worker.scheduler.lookahead import StorageLookahead
 from tests.unit.test_hicache import (
     LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, page_value, run, start,  # noqa: F401
 )
+from tests.unit.test_hicache_property import ManualEngine
 
 
 def _finish_copies_unpolled(cache: HierarchicalCache) -> None:
@@ -242,4 +243,104 @@ def test_a_redone_match_that_shrank_still_gets_every_page_the_request_needs(hc):
     h = cache.load_back_and_lock(match, extra_pages=0)
     assert h.prefix_tokens == 0 and h.delta_pages.numel() == 5
     finish(cache, dev, PROMPT, h)
+    assert_quiescent(cache)
+
+
+# -- found by the state machine (twins 'halves': a split host-only node restored by two load-backs) ---------------
+
+
+def stepped_cache(**kw) -> tuple[HierarchicalCache, KVPool, ManualEngine]:
+    """A cache whose copies run one by one when the test says (``engine.run(n)``), failing where marked."""
+    dev, host = KVPool(LAYOUT, 20), KVPool(LAYOUT, 24)
+    engine = ManualEngine(dev, host)
+    return HierarchicalCache(dev, host, engine=engine, **kw), dev, engine
+
+
+def restore_in_halves(cache: HierarchicalCache, dev: KVPool, engine: ManualEngine) -> tuple:
+    """PROMPT cached, pushed to L2 only (under write_back its demotion still queued), then restored by two
+    requests: the first load-back brings pages 0-2, the second, queued after it, pages 3-4."""
+    finish(cache, dev, PROMPT, start(cache, PROMPT))
+    if cache.write_policy != "write_back":
+        engine.run()
+        cache.poll()
+    cache.evict_device(100)
+    head, whole = start(cache, PROMPT[:6]), start(cache, PROMPT)
+    assert head.restored_tokens == 6 and whole.restored_tokens == 4
+    return head, whole
+
+
+def end_both(cache: HierarchicalCache, engine: ManualEngine, *handles) -> None:
+    engine.run()
+    for h in handles:
+        with pytest.raises(LoadBackError):
+            asyncio.run(h.wait())
+        cache.release(h)
+    assert_quiescent(cache)
+
+
+@pytest.mark.parametrize("policy, landing", [("write_through", 1), ("write_back", 2)])
+def test_a_failed_load_back_takes_the_load_backs_below_it_off_l1(policy, landing):
+    """The first load-back fails (itself, or through the demotion it reads from): the pages the second one
+    restores below it leave L1 at once, since a node on L1 needs its parent there. Their copy may be running,
+    so the pages are freed only when it is done."""
+    cache, dev, engine = stepped_cache(write_policy=policy)
+    head, whole = restore_in_halves(cache, dev, engine)
+    engine.queue[0].fail = True
+    engine.run(landing)
+    cache.poll()
+    cache.check_invariants(request_pages=0)  # L1 holds just the second load's pages, until its copy is done
+    assert cache.match(PROMPT).device_hit_tokens == 0 and cache.draining_pages == 2
+    end_both(cache, engine, whole, head)
+    assert cache.match(PROMPT).host_hit_tokens == (10 if policy == "write_through" else 0)  # what L2 still holds
+
+
+def test_a_failed_demotion_under_two_load_backs_leaves_locked_gaps_until_release():
+    """Both halves of a demoted prompt lose their only copy while two requests hold them: each stays in the tree,
+    in neither tier, until its last lock goes, the second below the first."""
+    cache, dev, engine = stepped_cache(write_policy="write_back")
+    head, whole = restore_in_halves(cache, dev, engine)
+    engine.queue[0].fail = True
+    engine.run(3)
+    cache.poll()
+    cache.check_invariants(request_pages=0)
+    assert cache.match(PROMPT).hit_tokens == 0
+    end_both(cache, engine, whole, head)
+    assert not cache.tree.root.children, "the gaps outlived their locks"
+
+
+def test_write_back_eviction_under_a_full_l2_never_counts_a_parent_of_its_own_victim(hc):
+    """A write_back victim is marked for L2 before its demotion locks it, so its host-only parent, demoted in the
+    same batch, is no host-only leaf that evict_host could free for the next victim: the next victim is
+    dropped, and the batch ends with its demotion queued."""
+    cache, dev, _ = hc(device_pages=20, host_pages=5, write_policy="write_back")
+    run(cache, dev, PROMPT[:4], backup=True)  # A: 2 pages on L1 and L2
+    cache.drain()
+    run(cache, dev, PROMPT[:8])  # B below A: 2 pages on L1 only
+    run(cache, dev, (50, 51, 52, 53))  # C: 2 pages on L1 only, used last
+    assert cache.evict_device(100) == 6  # B demoted (L2: 1 page left), A host-only, C has no room: dropped
+    cache.drain()
+    assert cache.match(PROMPT[:8]).host_hit_tokens == 8 and cache.match((50, 51, 52, 53)).hit_tokens == 0
+    assert_quiescent(cache)
+
+
+def test_a_failed_demotion_under_a_load_back_leaves_a_host_only_child_below_a_locked_gap():
+    """The same with one load-back: the restored parent loses both copies while its child, demoted before, is
+    host-only. The child hangs below the locked gap, unmatched, and leaves with it on release."""
+    cache, dev, engine = stepped_cache(write_policy="write_back")
+    finish(cache, dev, PROMPT[:6], start(cache, PROMPT[:6]))
+    finish(cache, dev, PROMPT, start(cache, PROMPT))
+    assert cache.evict_device(2) == 2  # the child: pages 3-4
+    engine.run()
+    cache.poll()
+    assert cache.evict_device(100) == 3  # the parent: its demotion stays queued
+    h = start(cache, PROMPT[:6])
+    engine.queue[0].fail = True
+    engine.run()
+    cache.poll()
+    cache.check_invariants(request_pages=0)
+    assert cache.match(PROMPT).hit_tokens == 0
+    with pytest.raises(LoadBackError):
+        asyncio.run(h.wait())
+    cache.release(h)
+    assert not cache.tree.root.children and cache.host_alloc.num_used == 0
     assert_quiescent(cache)

@@ -357,7 +357,9 @@ class CacheMachine(RuleBasedStateMachine):
         matches, then those copies finish before its lock (with ``fail``, those writing the matched path fail):
         load_back_and_lock applies them, so the tiers on the matched path may change under it."""
         self.hit("stale_start")
-        landing = self.engine.head(n)
+        landing = [c for c in self.engine.head(n) if self.pending_op(c).nodes]  # an undone load writes none
+        if not landing:
+            return
         targets = [c for c in landing if self.copy_kind(c) != "backup"] or landing
         op = self.pending_op(targets[i % len(targets)])
         self.stale(key_tokens(self.cache.tree.prefix_key(op.nodes[-1])), n, fail)
@@ -374,9 +376,7 @@ class CacheMachine(RuleBasedStateMachine):
             if copy.fail and on_path and self.copy_kind(copy) != "backup":
                 self.hit(f"stale_{self.copy_kind(copy)}_failed_on_path")
         self.engine.run(n)
-        r = self.lock(tokens, m)
-        if r is not None:
-            assert r.handle.prefix_tokens <= m.hit_tokens, "a prefix longer than the match"
+        self.lock(tokens, m)  # it may redo the match: the prefix may differ, the pages must still cover the request
 
     def _take(self, i: int) -> Req | None:
         """Wait for request ``i``'s load-back and check its KV; a failed one is aborted and dropped."""
@@ -507,24 +507,32 @@ class CacheMachine(RuleBasedStateMachine):
             self.evict_l1(DEVICE_PAGES)
 
     @precondition(lambda self: self.host is not None and len(self.reqs) < MAX_LIVE - 2)
-    @rule(p=PROMPT, then=st.sampled_from(("wait", "share", "finish", "fail", "stale")))
+    @rule(p=PROMPT, then=st.sampled_from(("wait", "share", "finish", "fail", "stale", "halves")))
     def twins(self, p, then):
         """A request starts, and while its pages past the cached prefix are not in the tree yet, its prompt
         arrives twice more (retries, n > 1): the first copy is served and pushed to L2 (backed up now where the
         policy would not, demoted under write_back), the second restores it. Then the first request may at once
         share or insert its pages over that load-back in flight, or the load-back is doomed to fail, or a third
-        copy matches now and locks once the twin's copies failed. (At most one live request before: L1 has room
-        for the rest.)"""
+        copy matches now and locks once the twin's copies failed. With ``halves`` a copy of the prompt's first
+        half restores those pages first, the twin's load-back of the rest rides on it, and the first copy
+        writing that path is doomed. (At most one live request before: L1 has room for the rest.)"""
         self.hit("twins")
         r = self.start_tokens(self.prompt(p))
         if r is None or r.handle.prefix_tokens == len(r.tokens) // PS * PS:
             return
         self.whole_request(r.tokens, backup=self.cache.write_policy == "write_through_selective", demote=True)
+        if then == "halves":
+            self.start_tokens(r.tokens[: len(r.tokens) // 2])
         twin = self.start_tokens(r.tokens)
         if then == "fail" and twin is not None:
             for copy in self.engine.queue:
                 if self.pending_op(copy) in twin.handle.waits:
                     self.doom(copy)
+        if then == "halves":
+            path = set(self.cache.tree.match(token_key(r.tokens))[0])
+            first = next((c for c in self.engine.queue if path & set(self.pending_op(c).nodes)), None)
+            if first is not None:
+                self.doom(first)
         if then == "stale" and len(self.reqs) < MAX_LIVE:
             self.stale(r.tokens, len(self.engine.queue), fail=True)
         if then == "share":
@@ -640,7 +648,7 @@ class CacheMachine(RuleBasedStateMachine):
         return pages
 
     @precondition(lambda self: self.host is not None and len(self.fills) < MAX_FILLS)
-    @rule(p=PROMPT, back=st.integers(0, 1), oversize=st.sampled_from((False, False, True)))
+    @rule(p=PROMPT, back=st.integers(0, 2), oversize=st.sampled_from((False, False, True)))
     def host_fill(self, p, back, oversize):
         """L2 pages for the pages past the cached prefix (``back`` pages earlier: duplicates), written now,
         as an L3 prefetch would; ``oversize``: more pages than L2 has."""
@@ -716,9 +724,6 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache.host_alloc is not None:
             assert self.cache.host_alloc.num_free + len(t.host) + fill_pages == self.cache.host_alloc.total
             self.check_free_l2(t.host_pages | {p for f in self.fills for p in f.pages.tolist()})
-        for p in t.host - t.dev:  # host-only pages hang below cached pages, never below a gap
-            parent = p[:-PS]
-            assert not parent or parent in t.dev or parent in t.host, f"{p} below a gap"
         if not self.reqs and not self.cache._pending:
             assert all(n.lock_ref == 0 for n in self.cache.tree.nodes()), "lock left with nothing live"
 
@@ -775,7 +780,6 @@ def assert_every_branch_fires(machine: type[CacheMachine], examples: int, names:
     assert not missing, f"never fired: {missing}; hits: {dict(HITS)}"
 
 
-@pytest.mark.slow  # minutes on 2 cores: CI runs it with `make test-all`
 def test_every_rule_and_branch_fires():
     assert_every_branch_fires(CacheMachine, 300, CacheMachine.RULES + CacheMachine.BRANCHES)
 

@@ -31,8 +31,6 @@ from tests.unit.test_hicache_property import (
     page_value,
 )
 
-pytestmark = pytest.mark.slow  # several minutes on 2 cores: `make test-all` runs it
-
 FILL: ContextVar[Fill | None] = ContextVar("fill", default=None)  # the fill a prefetch task (and its gets) serves
 SOMETIMES = st.sampled_from((False, False, True))
 
