@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from decode_worker.core.request import RequestError
+from decode_worker.server.fields import check_fields
 
 RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy
 
@@ -30,12 +31,17 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """Parse a JSON body whatever its content type (plain `curl -d` sends form-encoded), with clear errors."""
+    """Parse a JSON body whatever its content type (plain `curl -d` sends form-encoded), with clear errors; a
+    documented field this worker does not honour is refused (``fields.py``)."""
     raw = await request.body()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"malformed JSON body: {e}") from e
+    try:
+        check_fields(model, data, request.url.path)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
     try:
         return model.model_validate(data)
     except ValidationError as e:

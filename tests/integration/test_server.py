@@ -175,3 +175,27 @@ def test_flush_cache(server):
     wait_pages_free(server)
     assert post(server, "/flush_cache", {}).json()["success"] is True
     assert server.metric("decode_worker_cache_pages", tier="device", state="evictable") == 0
+
+
+def test_documented_fields_not_honoured_are_refused_by_name_and_neutral_values_pass(server):
+    """A caller who asked for constrained JSON, penalties or tools hears so; nothing is dropped with a 200."""
+    refused = [
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
+        ("/generate", {"text": "hi", "top_logprobs_num": 3, "return_logprob": True}, "top_logprobs_num"),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ]
+    for path, body, name in refused:
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, r.text)
+        assert f"'{name}' is not supported" in r.json()["error"]["message"]
+    neutral = {"text": "hi", "logprob_start_len": -1, "my_router_tag": "x",
+               "sampling_params": {"max_new_tokens": 2, "n": 1, "frequency_penalty": 0, "skip_special_tokens": True}}
+    assert post(server, "/generate", neutral).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "user": "u1"}
+    assert post(server, "/v1/chat/completions", chat).status_code == 200
+    wait_pages_free(server)

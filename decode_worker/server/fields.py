@@ -1,0 +1,107 @@
+"""Every request field is honoured, refused, or (when no API documents it) ignored with a warning.
+
+SGLang's ``/generate`` and OpenAI's completion and chat schemas document fields this worker does not honour
+(constrained decoding, penalties, tools, multimodal inputs, ...). A request that sets one to anything but its
+neutral value is refused with a 400 naming it: answering it as if it had been honoured would be a silent lie. A
+field neither API documents is ignored, as vLLM does, so routers and clients that add their own keep working; it
+is logged once per field, so an operator can see what is being dropped.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from decode_worker.server.schemas import SGLangSamplingParams
+
+log = logging.getLogger(__name__)
+
+Neutral = Callable[[Any], bool]
+
+
+def _among(*values: Any) -> Neutral:
+    return lambda v: v in values
+
+
+ABSENT = _among(None)
+FALSE = _among(None, False)
+ZERO = _among(None, 0)
+ONE = _among(None, 1)
+TRUE = _among(None, True)
+EMPTY = _among(None, {}, [], "")
+
+
+def _no_usage(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and not v.get("include_usage"))
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+# Documented by SGLang (GenerateReqInput, SamplingParams) and not honoured here: field -> its neutral values.
+GENERATE: dict[str, tuple[Neutral, str]] = {
+    "input_embeds": (ABSENT, "input embeddings"), "image_data": (ABSENT, "image inputs (a text-only model)"),
+    "audio_data": (ABSENT, "audio inputs (a text-only model)"), "video_data": (ABSENT, "video inputs"),
+    "logprob_start_len": (_among(None, -1), "input logprobs"), "top_logprobs_num": (ZERO, "top-k logprobs"),
+    "token_ids_logprob": (ABSENT, "logprobs of chosen token ids"),
+    "return_text_in_logprobs": (FALSE, "text in logprobs"), "lora_path": (ABSENT, "LoRA adapters"),
+    "custom_logit_processor": (ABSENT, "custom logit processors"), "return_hidden_states": (FALSE, "hidden states"),
+}
+SAMPLING: dict[str, tuple[Neutral, str]] = {
+    "min_p": (ZERO, "min-p sampling"), "frequency_penalty": (ZERO, "penalties"),
+    "presence_penalty": (ZERO, "penalties"), "repetition_penalty": (ONE, "penalties"),
+    "min_new_tokens": (ZERO, "a minimum output length"), "json_schema": (ABSENT, "constrained decoding"),
+    "regex": (ABSENT, "constrained decoding"), "ebnf": (ABSENT, "constrained decoding"),
+    "structural_tag": (ABSENT, "constrained decoding"), "n": (ONE, "several outputs per prompt"),
+    "skip_special_tokens": (TRUE, "keeping special tokens in the text"),
+    "spaces_between_special_tokens": (TRUE, "detokenizer options"), "no_stop_trim": (FALSE, "untrimmed stop strings"),
+    "custom_params": (ABSENT, "custom logit processors"), "logit_bias": (EMPTY, "logit bias"),
+}
+# Documented by OpenAI and not honoured here (n, echo and logprobs are refused by the routes themselves).
+OPENAI: dict[str, tuple[Neutral, str]] = {
+    "best_of": (ONE, "best_of"), "frequency_penalty": (ZERO, "penalties"), "presence_penalty": (ZERO, "penalties"),
+    "logit_bias": (EMPTY, "logit bias"), "suffix": (EMPTY, "suffixes"),
+    "stream_options": (_no_usage, "a usage chunk at the end of a stream"),
+    "tools": (EMPTY, "tool calls"), "functions": (EMPTY, "function calls"),
+    "tool_choice": (_among(None, "none", "auto"), "tool calls"),
+    "function_call": (_among(None, "none", "auto"), "function calls"),
+    "response_format": (_text_format, "structured output"), "top_logprobs": (ZERO, "top logprobs"),
+    "audio": (ABSENT, "audio output"), "modalities": (_among(None, ["text"]), "non-text output"),
+    "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
+    "store": (FALSE, "stored completions"), "web_search_options": (ABSENT, "web search"),
+}
+# Documented fields that ask nothing of the output: accepted as they are.
+OPENAI_NOTES = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
+                          "prompt_cache_key", "verbosity", "max_completion_tokens"})
+
+ROUTES = {"/generate": GENERATE, "/v1/completions": OPENAI, "/v1/chat/completions": OPENAI}
+_warned: set[tuple[str, str]] = set()
+
+
+def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
+    """Refuse (ValueError naming it) a documented field that is set and not honoured; warn once about a field
+    neither API documents. ``data`` is the raw JSON body of ``model``."""
+    if not isinstance(data, dict):
+        return  # the schema's own validation says what is wrong
+    _check(model, data, ROUTES.get(where, {}), where, "")
+    params = data.get("sampling_params") if where == "/generate" else None
+    for i, p in enumerate(params if isinstance(params, list) else [params]):
+        if isinstance(p, dict):
+            prefix = f"sampling_params.{i}." if isinstance(params, list) else "sampling_params."
+            _check(SGLangSamplingParams, p, SAMPLING, where, prefix)
+
+
+def _check(model: type[BaseModel], data: dict, table: dict, where: str, prefix: str) -> None:
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    for name, value in data.items():
+        if name in table:
+            neutral, feature = table[name]
+            if not neutral(value):
+                raise ValueError(f"field '{prefix}{name}' is not supported by this worker ({feature}): leave it out")
+        elif name not in known and name not in OPENAI_NOTES and (where, prefix + name) not in _warned:
+            _warned.add((where, prefix + name))
+            log.warning("%s: ignoring field '%s', which no API this worker speaks documents", where, prefix + name)
+
