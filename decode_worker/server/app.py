@@ -10,7 +10,13 @@ from decode_worker.server.errors import install_error_handlers
 from decode_worker.server.guard import RequestGuard
 from decode_worker.server.openapi import declare_models
 from decode_worker.server.responses import STREAM_CHUNKS
-from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, HandshakeRequest
+from decode_worker.server.schemas import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    HandshakeRequest,
+)
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -27,5 +33,6 @@ def create_app(engine: Engine) -> FastAPI:
         from decode_worker.server import routes_pd  # loads UCX: prefill role only
 
         app.include_router(routes_pd.router)
-    declare_models(app, [GenerateRequest, CompletionRequest, ChatCompletionRequest, HandshakeRequest, *STREAM_CHUNKS])
+    declare_models(app, [GenerateRequest, CompletionRequest, ChatCompletionRequest, HandshakeRequest, AbortRequest,
+                         *STREAM_CHUNKS])
     return app

@@ -33,10 +33,6 @@ TRUE = _among(None, True)
 EMPTY = _among(None, {}, [], "")
 
 
-def _no_usage(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and not v.get("include_usage"))
-
-
 def _text_format(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
@@ -55,16 +51,15 @@ SAMPLING: dict[str, tuple[Neutral, str]] = {
     "presence_penalty": (ZERO, "penalties"), "repetition_penalty": (ONE, "penalties"),
     "min_new_tokens": (ZERO, "a minimum output length"), "json_schema": (ABSENT, "constrained decoding"),
     "regex": (ABSENT, "constrained decoding"), "ebnf": (ABSENT, "constrained decoding"),
-    "structural_tag": (ABSENT, "constrained decoding"), "n": (ONE, "several outputs per prompt"),
+    "structural_tag": (ABSENT, "constrained decoding"),
     "skip_special_tokens": (TRUE, "keeping special tokens in the text"),
     "spaces_between_special_tokens": (TRUE, "detokenizer options"), "no_stop_trim": (FALSE, "untrimmed stop strings"),
     "custom_params": (ABSENT, "custom logit processors"), "logit_bias": (EMPTY, "logit bias"),
 }
-# Documented by OpenAI and not honoured here (n, echo and logprobs are refused by the routes themselves).
+# Documented by OpenAI and not honoured here (echo and logprobs are refused by the routes themselves).
 OPENAI: dict[str, tuple[Neutral, str]] = {
     "best_of": (ONE, "best_of"), "frequency_penalty": (ZERO, "penalties"), "presence_penalty": (ZERO, "penalties"),
     "logit_bias": (EMPTY, "logit bias"), "suffix": (EMPTY, "suffixes"),
-    "stream_options": (_no_usage, "a usage chunk at the end of a stream"),
     "tools": (EMPTY, "tool calls"), "functions": (EMPTY, "function calls"),
     "tool_choice": (_among(None, "none", "auto"), "tool calls"),
     "function_call": (_among(None, "none", "auto"), "function calls"),

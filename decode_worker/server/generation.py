@@ -4,6 +4,7 @@ frees its KV pages."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -26,6 +27,8 @@ class Collected:
         self.logprobs: list[float] = []
         self.finish_reason: dict | None = None
         self.cached: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.e2e_latency = 0.0  # seconds from submission to the last event
 
     def add(self, event: TokenEvent) -> None:
         if event.error is not None:
@@ -34,6 +37,7 @@ class Collected:
         self.logprobs += event.logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
         self.cached = event.cached_tokens or self.cached
+        self.e2e_latency = time.monotonic() - self.started
 
     @property
     def ids(self) -> list[int]:
@@ -102,3 +106,36 @@ async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tup
     finally:
         if not finished:
             engine.abort(stream.rid)
+
+
+async def interleave(engine: Engine, inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Collected, TokenEvent]]:
+    """Every prompt's events as they come, with the prompt's index: a batch streams all its prompts at once. The
+    first error ends the whole stream, and leaving it early aborts what still runs."""
+    queue: asyncio.Queue[tuple[int, Collected | None, TokenEvent | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, inp: GenerateInput) -> None:
+        events = stream_events(engine, inp)
+        try:
+            async for c, event in events:
+                queue.put_nowait((i, c, event, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((i, None, None, e))
+        finally:
+            await events.aclose()  # aborts the request if it did not finish
+            queue.put_nowait((i, None, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, inp)) for i, inp in enumerate(inputs)]
+    try:
+        running = len(tasks)
+        while running:
+            i, c, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if c is None:
+                running -= 1
+            else:
+                yield i, c, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,12 +2,13 @@
 the PD bootstrap fields, prompt encoding, stop lists)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel
 
 from decode_worker.config import ServerConfig
-from decode_worker.core.request import Bootstrap, RequestError
+from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.server.schemas import BootstrapFields
 
@@ -63,3 +64,15 @@ def encode(tokenizer: Tokenizer, text: str | None, ids: list[int] | None) -> lis
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
+    """``n`` samples of one prompt as ``n`` requests (the prefix cache makes the copies' prompts nearly free), each
+    with its own id and, when seeded, its own seed: the samples differ, and a repeat gives the same ones."""
+    if n == 1:
+        return [inp]
+    if inp.bootstrap is not None:
+        raise RequestError("n > 1 cannot go through a PD pair (one bootstrap room per request): send n requests")
+    seed = inp.params.seed
+    seeds = [None if seed is None else (seed + j) % 2**64 for j in range(n)]
+    return [replace(inp, rid=f"{inp.rid}-{j}", params=replace(inp.params, seed=s)) for j, s in enumerate(seeds)]

@@ -33,6 +33,7 @@ class GenerateMeta(BaseModel):
     completion_tokens: int
     cached_tokens: int
     cached_tokens_details: CachedTokens
+    e2e_latency: float  # seconds from submission to the answer's last token
     output_token_logprobs: list[list[Any]] | None = None
 
 
@@ -65,7 +66,7 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage
+    usage: ChatUsage
 
 
 class ChatMessageOut(BaseModel):
@@ -126,6 +127,14 @@ class Load(BaseModel):
     max_total_tokens: int | None = None
 
 
+class AbortResult(BaseModel):
+    aborted: int  # live requests that will end as aborted (499)
+
+
+class Version(BaseModel):
+    version: str
+
+
 class FlushResult(BaseModel):
     success: bool
     message: str
@@ -148,7 +157,8 @@ class CompletionChunk(BaseModel):
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionChoice]  # empty in the last chunk of a stream with include_usage
+    usage: ChatUsage | None = None
 
 
 class ChatDelta(BaseModel):
@@ -168,7 +178,8 @@ class ChatCompletionChunk(BaseModel):
     object: str
     created: int
     model: str
-    choices: list[ChatChunkChoice]
+    choices: list[ChatChunkChoice]  # empty in the last chunk of a stream with include_usage
+    usage: ChatUsage | None = None
 
 
 STREAM_CHUNKS = [GenerateChunk, CompletionChunk, ChatCompletionChunk]

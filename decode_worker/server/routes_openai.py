@@ -17,8 +17,8 @@ from decode_worker.engine.engine import Engine
 from decode_worker.server.dependencies import EngineDep
 from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
-from decode_worker.server.generation import Collected, admit, collect, stream_events
-from decode_worker.server.inputs import BOOTSTRAP, bootstrap, per_prompt, stop_list
+from decode_worker.server.generation import Collected, admit, collect, interleave
+from decode_worker.server.inputs import BOOTSTRAP, bootstrap, fan_out, per_prompt, stop_list
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import (
     ChatCompletionChunk,
@@ -33,8 +33,6 @@ from decode_worker.server.responses import (
 )
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, ContentPart, OpenAISampling
 from decode_worker.server.sse import sse_response
-
-_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def router(cfg: ServerConfig) -> APIRouter:
@@ -61,16 +59,17 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
     admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
-        return sse_response(_completion_chunks(engine, inputs, created, model))
+        return sse_response(_completion_chunks(engine, inputs, body, created, model))
     results = await collect(engine, request, inputs)
     choices = [{"index": i, "text": c.text(), "finish_reason": _finish(c), "logprobs": None}
                for i, c in enumerate(results)]
     return {**_envelope(inputs[0].rid, "text_completion", created, model, choices),
-            "usage": {k: sum(_usage(c)[k] for c in results) for k in _USAGE}}
+            "usage": _usage(results, body.n)}
 
 
 def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[GenerateInput]:
-    """One input per prompt; a prompt is a text or a list of token ids, and so may a batch's prompts be."""
+    """``n`` inputs per prompt, prompt after prompt; a prompt is a text or a list of token ids, and so may a batch's
+    prompts be."""
     batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
     prompts = body.prompt if batch else [body.prompt]
     per_prompt(body, BOOTSTRAP, len(prompts))
@@ -79,35 +78,38 @@ def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[Generate
     for i, p in enumerate(prompts):
         prompt = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
         rid = (body.rid or "cmpl-" + uuid.uuid4().hex) + (f"-{i}" if len(prompts) > 1 else "")
-        inputs.append(GenerateInput(rid, prompt, params, False, bootstrap(body, i, engine.config)))
+        inputs += fan_out(GenerateInput(rid, prompt, params, False, bootstrap(body, i, engine.config)), body.n)
     return inputs
 
 
-async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], created: int,
+async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: CompletionRequest, created: int,
                              model: str) -> AsyncIterator[dict]:
-    """A batch streams one prompt after another, each chunk naming its prompt's index."""
-    for index, inp in enumerate(inputs):
-        sent = ""
-        async for c, event in stream_events(engine, inp):
-            delta = _new_text(c.text(), sent, event.finish_reason is not None)
-            sent += delta
-            choice = {"index": index, "text": delta, "finish_reason": _finish(c) if event.finish_reason else None,
-                      "logprobs": None}
-            yield _envelope(inp.rid, "text_completion", created, model, [choice])
+    """All choices stream at once, each chunk naming its choice's index; with ``include_usage`` a last chunk
+    carries the usage."""
+    sent, last = [""] * len(inputs), [None] * len(inputs)
+    async for index, c, event in interleave(engine, inputs):
+        delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
+        sent[index] += delta
+        last[index] = c
+        choice = {"index": index, "text": delta, "finish_reason": _finish(c) if event.finish_reason else None,
+                  "logprobs": None}
+        yield _envelope(inputs[index].rid, "text_completion", created, model, [choice])
+    if _include_usage(body):
+        yield {**_envelope(inputs[0].rid, "text_completion", created, model, []), "usage": _usage(last, body.n)}
 
 
 async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     body = await parse_body(request, ChatCompletionRequest)
     engine.require_ready()
-    inp = _chat_input(body, engine)
-    admit(engine, [inp])
+    inputs = fan_out(_chat_input(body, engine), body.n)
+    admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
-        return sse_response(_chat_chunks(engine, inp, created, model))
-    (c,) = await collect(engine, request, [inp])
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text()}, "finish_reason": _finish(c),
-              "logprobs": None}
-    return {**_envelope(inp.rid, "chat.completion", created, model, [choice]), "usage": _usage(c)}
+        return sse_response(_chat_chunks(engine, inputs, body, created, model))
+    results = await collect(engine, request, inputs)
+    choices = [{"index": j, "message": {"role": "assistant", "content": c.text()}, "finish_reason": _finish(c),
+                "logprobs": None} for j, c in enumerate(results)]
+    return {**_envelope(inputs[0].rid, "chat.completion", created, model, choices), "usage": _usage(results, body.n)}
 
 
 def _chat_input(body: ChatCompletionRequest, engine: Engine) -> GenerateInput:
@@ -133,22 +135,28 @@ def _message_text(content: str | list[ContentPart] | None) -> str | None:
     return "".join(p.text or "" for p in content)
 
 
-async def _chat_chunks(engine: Engine, inp: GenerateInput, created: int, model: str) -> AsyncIterator[dict]:
-    """The assistant role first, then content deltas, then an empty delta with the finish reason."""
+async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCompletionRequest, created: int,
+                       model: str) -> AsyncIterator[dict]:
+    """Each choice's assistant role first, then content deltas as they come, then an empty delta with its finish
+    reason; with ``include_usage`` a last chunk carries the usage."""
 
-    def chunk(delta: dict, reason: str | None) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return _envelope(inp.rid, "chat.completion.chunk", created, model, [choice])
+    def chunk(index: int, delta: dict, reason: str | None) -> dict:
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return _envelope(inputs[0].rid, "chat.completion.chunk", created, model, [choice])
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    sent = ""
-    async for c, event in stream_events(engine, inp):
-        delta = _new_text(c.text(), sent, event.finish_reason is not None)
-        sent += delta
+    for index in range(len(inputs)):
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
+    sent, last = [""] * len(inputs), [None] * len(inputs)
+    async for index, c, event in interleave(engine, inputs):
+        delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
+        sent[index] += delta
+        last[index] = c
         if delta:
-            yield chunk({"content": delta}, None)
+            yield chunk(index, {"content": delta}, None)
         if event.finish_reason:
-            yield chunk({}, _finish(c))
+            yield chunk(index, {}, _finish(c))
+    if _include_usage(body):
+        yield {**_envelope(inputs[0].rid, "chat.completion.chunk", created, model, []), "usage": _usage(last, body.n)}
 
 
 async def models(engine: EngineDep) -> dict:
@@ -159,8 +167,6 @@ async def models(engine: EngineDep) -> dict:
 
 
 def _sampling(body: OpenAISampling, max_tokens: int) -> SamplingParams:
-    if body.n != 1:
-        raise RequestError("only n=1 is supported")
     if getattr(body, "echo", False) or getattr(body, "logprobs", None):
         raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
     return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -180,10 +186,18 @@ def _envelope(rid: str, kind: str, created: int, model: str, choices: list[dict]
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
 
 
-def _usage(c: Collected) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
-            "total_tokens": c.prompt_tokens + len(c.ids),
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def _usage(results: list[Collected], n: int) -> dict:
+    """Each prompt counts once (its ``n`` samples share it), every sample's output counts."""
+    prompts = results[::n]
+    prompt_tokens = sum(c.prompt_tokens for c in prompts)
+    completion_tokens = sum(len(c.ids) for c in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)}}
+
+
+def _include_usage(body: OpenAISampling) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def _finish(c: Collected) -> str | None:

@@ -2,14 +2,16 @@
 Prometheus metrics."""
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from decode_worker.config import ServerConfig
+from decode_worker.config import ServerConfig, package_version
 from decode_worker.engine.engine import Engine
 from decode_worker.server.dependencies import EngineDep
-from decode_worker.server.errors import error_response
-from decode_worker.server.responses import FlushResult, Load, ModelInfo, auth_statuses, errors
+from decode_worker.server.errors import error_response, parse_body
+from decode_worker.server.openapi import json_body
+from decode_worker.server.responses import AbortResult, FlushResult, Load, ModelInfo, Version, auth_statuses, errors
+from decode_worker.server.schemas import AbortRequest
 
 _INFO = {"description": "configuration (secrets left out), model, KV layout and cache figures",
          "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -37,6 +39,11 @@ def router(cfg: ServerConfig) -> APIRouter:
                          responses={200: {"model": FlushResult}, **errors(*auth, 503)})
     routes.add_api_route("/flush_cache", flush_cache, methods=["POST"], response_model=None,
                          responses={200: {"model": FlushResult}, **errors(*auth, 413, 503)})
+    routes.add_api_route("/abort_request", abort_request, methods=["POST"], response_model=None,
+                         openapi_extra=json_body(AbortRequest, {"one": {"rid": "my-request"}, "all": {"abort_all": True}}),
+                         responses={200: {"model": AbortResult}, **errors(400, *auth, 413)})
+    routes.add_api_route("/get_version", get_version, methods=["GET"], response_model=None,
+                         responses={200: {"model": Version}, **errors(*auth)})
     routes.add_api_route("/metrics", metrics, methods=["GET"], response_model=None, response_class=PlainTextResponse)
     return routes
 
@@ -83,3 +90,18 @@ async def flush_cache(engine: EngineDep) -> dict:
 
 async def metrics(engine: EngineDep) -> Response:
     return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def abort_request(request: Request, engine: EngineDep) -> dict:
+    """End a live request (or all with ``abort_all``): its client gets a 499 and its KV is freed. An unknown or
+    finished id aborts nothing."""
+    body = await parse_body(request, AbortRequest)
+    live = list(engine.scheduler.requests) if engine.scheduler is not None else []
+    rids = live if body.abort_all else [r for r in live if r == body.rid]
+    for rid in rids:
+        engine.abort(rid)
+    return {"aborted": len(rids)}
+
+
+async def get_version() -> dict:
+    return {"version": package_version()}

@@ -15,8 +15,8 @@ from decode_worker.engine.engine import Engine
 from decode_worker.server.dependencies import EngineDep
 from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import GENERATE_EXAMPLES
-from decode_worker.server.generation import Collected, admit, collect, stream_events
-from decode_worker.server.inputs import BOOTSTRAP, bootstrap, encode, per_prompt, pick, stop_list
+from decode_worker.server.generation import Collected, admit, collect, interleave, stream_events
+from decode_worker.server.inputs import BOOTSTRAP, bootstrap, encode, fan_out, per_prompt, pick, stop_list
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
@@ -39,6 +39,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
     engine.require_ready()
     batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
     inputs = _inputs(body, batched, engine)
+    batched = batched or len(inputs) > 1  # n > 1 answers a list, as SGLang does
     admit(engine, inputs)
     if body.stream:
         return sse_response(_chunks(engine, inputs, batched))
@@ -48,7 +49,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
 
 
 def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[GenerateInput]:
-    """One input per prompt, each with its own entry of every list-valued field."""
+    """One input per prompt and sample (``n`` of them), each with its own entry of every list-valued field."""
     texts = body.text if isinstance(body.text, list) else [body.text]
     ids = body.input_ids if batched and body.input_ids else [body.input_ids]
     n = len(texts) if body.text is not None else len(ids)
@@ -59,8 +60,8 @@ def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[Genera
         rid = pick(body.rid, i) or uuid.uuid4().hex
         prompt = encode(engine.tokenizer, texts[i] if body.text is not None else None,
                         ids[i] if body.text is None else None)
-        inputs.append(GenerateInput(rid, prompt, _sampling(sp), bool(pick(body.return_logprob, i)),
-                                    bootstrap(body, i, engine.config)))
+        inputs += fan_out(GenerateInput(rid, prompt, _sampling(sp), bool(pick(body.return_logprob, i)),
+                                        bootstrap(body, i, engine.config)), sp.n)
     return inputs
 
 
@@ -71,13 +72,13 @@ def _sampling(p: SGLangSamplingParams) -> SamplingParams:
 
 
 async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool) -> AsyncIterator[dict]:
-    """A batch streams one prompt after another, each chunk naming its prompt's index."""
-    for index, inp in enumerate(inputs):
-        async for c, _ in stream_events(engine, inp):
-            chunk = _answer(c, inp)
-            if batched:
-                chunk["index"] = index
-            yield chunk
+    """A batch streams all its prompts at once, each chunk naming its prompt's index."""
+    if not batched:
+        async for c, _ in stream_events(engine, inputs[0]):
+            yield _answer(c, inputs[0])
+        return
+    async for index, c, _ in interleave(engine, inputs):
+        yield {**_answer(c, inputs[index]), "index": index}
 
 
 def _answer(c: Collected, inp: GenerateInput) -> dict:
@@ -92,6 +93,7 @@ def _meta_info(c: Collected, return_logprob: bool) -> dict:
         "completion_tokens": len(c.ids),
         "cached_tokens": c.cached_tokens,
         "cached_tokens_details": {t: c.cached.get(t, 0) for t in ("device", "host", "storage")},
+        "e2e_latency": round(c.e2e_latency, 6),
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.ids)]

@@ -41,6 +41,7 @@ Temperature = Annotated[float, Field(ge=0)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1)]
+SamplesPerPrompt = Annotated[int, Field(ge=1, le=64)]  # each sample is a request of its own
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a torch generator can be seeded with
 # A prompt is never empty, nor is a batch of them.
 Text = Annotated[str, Field(min_length=1)]
@@ -70,6 +71,7 @@ class SGLangSamplingParams(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: SamplesPerPrompt = 1
     seed: Seed | None = Field(default=None, alias="sampling_seed")
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
@@ -84,6 +86,10 @@ class GenerateRequest(BootstrapFields):
     return_logprob: bool | list[bool] = False
 
 
+class StreamOptions(_Lenient):
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+
+
 class OpenAISampling(BootstrapFields):
     """Sampling fields shared by the completions and chat routes (plus SGLang's extras top_k, ignore_eos)."""
 
@@ -91,12 +97,13 @@ class OpenAISampling(BootstrapFields):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
-    n: int = 1
+    n: SamplesPerPrompt = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: Seed | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     rid: str | None = None
 
 
@@ -124,6 +131,13 @@ class ChatCompletionRequest(OpenAISampling):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
+
+
+class AbortRequest(_Lenient):
+    """SGLang's ``/abort_request``: one request by id, or every live one."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 def _check_push_address(address: str) -> str:

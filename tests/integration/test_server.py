@@ -199,3 +199,67 @@ def test_documented_fields_not_honoured_are_refused_by_name_and_neutral_values_p
             "response_format": {"type": "text"}, "user": "u1"}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
     wait_pages_free(server)
+
+
+def sse_chunks(server, path, body) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_n_samples_on_every_route_differ_repeat_with_a_seed_and_count_the_prompt_once(server):
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "n": 3, "sampling_seed": 7, "ignore_eos": True}
+    outs = post(server, "/generate", {"text": "Once upon a time", "sampling_params": sampled}).json()
+    assert isinstance(outs, list) and len(outs) == 3 and all(len(o["output_ids"]) == 6 for o in outs)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1, "three samples with seeds 7, 8, 9 all alike"
+    again = post(server, "/generate", {"text": "Once upon a time", "sampling_params": sampled}).json()
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)
+    comp = post(server, "/v1/completions", {"prompt": ["A", "B"], "n": 2, "max_tokens": 3, "ignore_eos": True}).json()
+    assert [c["index"] for c in comp["choices"]] == [0, 1, 2, 3]
+    one = post(server, "/v1/completions", {"prompt": "A", "max_tokens": 3, "ignore_eos": True}).json()
+    assert comp["usage"]["prompt_tokens"] == 2 * one["usage"]["prompt_tokens"]
+    assert comp["usage"]["completion_tokens"] == 12 and "cached_tokens" in comp["usage"]["prompt_tokens_details"]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                 "max_tokens": 3}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    wait_pages_free(server)
+
+
+def test_a_batched_stream_interleaves_its_prompts(server):
+    body = {"input_ids": [[1, 504, 3575], [1, 504, 17]], "stream": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    order = [c["index"] for c in sse_chunks(server, "/generate", body)]
+    assert sorted(order) == [0] * 10 + [1] * 10
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0), f"prompt 1 waited for prompt 0: {order}"
+
+
+def test_include_usage_ends_openai_streams_with_the_usage(server):
+    for path, body in (("/v1/completions", {"prompt": "Hello", "n": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+        chunks = sse_chunks(server, path, {**body, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4 * body.get("n", 1)
+        assert all("usage" not in c or c["usage"] is None for c in chunks[:-1])
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    parts = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert {p.choices[0].index for p in parts if p.choices} == {0, 1} and parts[-1].usage.completion_tokens == 6
+
+
+def test_abort_request_ends_a_live_stream_and_get_version_answers(server):
+    body = {"text": "Tell me a long story", "rid": "to-abort", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it runs
+        assert post(server, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 1}
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["error"]["code"] == 499
+    assert post(server, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 0}
+    assert httpx.get(server.url + "/get_version").json()["version"]
+    wait_pages_free(server)
