@@ -10,14 +10,34 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from decode_worker.cache.stats import CacheStats
+
 PREFIX = "decode_worker_"
 TIERS = ("device", "host", "storage")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TRANSFER_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # a 16 MB delta lands in ~3 ms over shared memory
 
 
+def cache_families(stats: CacheStats) -> dict:
+    """The cache's live metric families, read from its stats: pages per tier and state, tokens evicted and backed
+    up per tier, tokens loaded back and prefetched, L3 failures per op and reason."""
+    storage, tokens = stats.storage, stats.tokens
+    backed_up = {"host": tokens.backed_up}
+    if storage is not None:
+        backed_up["storage"] = storage.backed_up_tokens
+    return {
+        "pages": {tier: pages.by_state() for tier, pages in stats.tiers().items()},
+        "evicted_tokens": {"device": tokens.evicted_device, "host": tokens.evicted_host},
+        "backup_tokens": backed_up,
+        "load_back_tokens": tokens.loaded_back,
+        "prefetch_tokens": storage.prefetched_tokens if storage is not None else 0,
+        "storage_failures": storage.failures if storage is not None else {},
+    }
+
+
 class _LiveCollector:
-    """Reads snapshots from callables at scrape time."""
+    """Reads snapshots from callables at scrape time: the cache's metric families (``cache_families``) and the
+    scheduler's queues."""
 
     def __init__(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]):
         self.cache_stats = cache_stats

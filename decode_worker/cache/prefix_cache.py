@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
-from decode_worker.cache.hicache import HierarchicalCache, LoadHandle, MatchResult
+from decode_worker.cache.handles import LoadHandle, MatchResult
+from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool, PageAllocator
 from decode_worker.cache.radix_tree import TOKEN_BYTES, Tokens, token_key
 

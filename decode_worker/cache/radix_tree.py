@@ -36,11 +36,6 @@ def token_key(tokens: Tokens) -> Key:
     return packed.tobytes()
 
 
-def key_tokens(key: Key) -> tuple[int, ...]:
-    """Token ids back from a key."""
-    return tuple(np.frombuffer(key, dtype="<i4").tolist())
-
-
 @dataclass(eq=False)
 class TreeNode:
     """A run of whole pages. A node in neither tier only exists transiently (see ``HierarchicalCache``)."""
@@ -153,14 +148,6 @@ class RadixTree:
             out.append(n)
             stack.extend(n.children.values())
         return out
-
-    def prefix_key(self, node: TreeNode) -> Key:
-        """Key from the root down to the end of ``node``."""
-        parts = []
-        while node is not self.root:
-            parts.append(node.key)
-            node = node.parent
-        return b"".join(reversed(parts))
 
     def page_hashes(self, node: TreeNode) -> list[str]:
         """Hex chained hash of each page of ``node`` (computed lazily: only the L3 tier needs them)."""

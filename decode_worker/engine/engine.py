@@ -13,10 +13,11 @@ from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.prefix_cache import NoPrefixReuse
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
 from decode_worker.config import ServerConfig, package_version
+from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.wiring import open_storage
-from decode_worker.metrics import Metrics
+from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
@@ -24,24 +25,6 @@ from decode_worker.scheduler.roles import COLOCATED
 from decode_worker.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-def cache_metrics(stats: dict) -> dict:
-    """Map the cache's stats() onto the metric families of ARCHITECTURE.md section 6."""
-    tokens = stats.get("tokens", {})
-    storage = stats.get("storage", {})
-    backed_up = dict(tokens.get("backed_up", {}))
-    if storage:
-        backed_up["storage"] = storage["backed_up_tokens"]
-    return {
-        "pages": {tier: {s: stats[tier][s] for s in ("free", "used", "evictable", "locked")}
-                  for tier in ("device", "host") if tier in stats},
-        "evicted_tokens": tokens.get("evicted", {}),
-        "backup_tokens": backed_up,
-        "load_back_tokens": tokens.get("loaded_back", 0),
-        "prefetch_tokens": storage.get("prefetched_tokens", 0),
-        "storage_failures": storage.get("failures", {}),
-    }
 
 
 SECRETS = ("api_key", "pd_token")  # config fields server_info never shows
@@ -85,7 +68,8 @@ class Engine:
         self.cache = HierarchicalCache(
             self.runner.pool, host_pool, write_policy=write_policy,
             storage=open_storage(cfg, self.runner.layout),
-            storage_backup_policy="hit_twice" if write_policy == "write_through_selective" else "all",
+            storage_backup_policy=(StorageBackup.HIT_TWICE if write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
+                                   else StorageBackup.ALL),
         )
 
     async def start(self) -> None:
@@ -114,7 +98,7 @@ class Engine:
         if self.handoff is not None:
             self.handoff.scheduler = self.scheduler
             self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
-        self.metrics.watch(lambda: cache_metrics(self.cache.stats()), self.scheduler.queue_stats)
+        self.metrics.watch(lambda: cache_families(self.cache.stats()), self.scheduler.queue_stats)
         self.scheduler.start()
         self.ready, self.not_ready_reason = True, ""
 
@@ -208,7 +192,7 @@ class Engine:
             info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),
                         max_context=self.runner.config.max_context, max_total_num_tokens=cfg.max_total_tokens)
         if self.cache is not None:
-            info["cache"] = self.cache.stats()
+            info["cache"] = self.cache.stats().to_dict()
         return info
 
     def get_load(self) -> dict:
@@ -216,8 +200,8 @@ class Engine:
         if self.scheduler is None:
             return {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         q = self.scheduler.queue_stats()
-        dev = self.cache.stats()["device"]
+        dev = self.cache.stats().device
         return {"num_reqs": len(self.scheduler.requests), "num_running_reqs": q["running"],
                 "num_waiting_reqs": sum(q["queues"].values()),
-                "num_tokens": (dev["total"] - dev["free"]) * self.config.page_size,
+                "num_tokens": (dev.total - dev.free) * self.config.page_size,
                 "max_total_tokens": self.config.max_total_tokens}

@@ -135,8 +135,8 @@ def test_two_workers_share_one_redis(redis_server):
 
     hits, arrived, same, foreign_hits, s1, s2 = asyncio.run(go())
     assert (hits, arrived, same, foreign_hits) == (PAGES, PAGES, True, 0)
-    assert s1["backed_up_tokens"] == s2["prefetched_tokens"] == PAGES * 16
-    assert s1["failures"] == s2["failures"] == {}
+    assert s1.backed_up_tokens == s2.prefetched_tokens == PAGES * 16
+    assert s1.failures == s2.failures == {}
 
 
 class PauseAfter(RedisStore):
@@ -176,7 +176,7 @@ def test_redis_stopped_mid_run_degrades_and_recovers(redis_server):
             tier.backup(KEYS, src, torch.arange(PAGES)),
         )
         degraded_s = time.monotonic() - t0
-        during = tier.stats()["failures"], reader.stats()["failures"]
+        during = tier.stats().failures, reader.stats().failures
         await asyncio.to_thread(redis_server.start)  # a new, empty server on the same port
         await asyncio.sleep(0.6)
         await asyncio.wait_for(_fill(tier, src), 10)

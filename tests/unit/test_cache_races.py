@@ -15,6 +15,7 @@ from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.storage.base import StoreBackend, encode_record
 from decode_worker.cache.storage.tier import StorageTier
 from decode_worker.scheduler.lookahead import StorageLookahead
+from tests.cache_invariants import check_invariants, draining_pages
 from tests.unit.test_hicache import (
     LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, page_value, run, start,  # noqa: F401
 )
@@ -181,7 +182,7 @@ def test_lookahead_settled_while_the_store_answers_takes_no_l2_pages():
         for _ in range(20):
             await asyncio.sleep(0)
         await asyncio.sleep(0.05)
-        cache.check_invariants(prefetch_pages=0)
+        check_invariants(cache, prefetch_pages=0)
         out = cache._host_out
         cache.close()
         return out
@@ -288,8 +289,8 @@ def test_a_failed_load_back_takes_the_load_backs_below_it_off_l1(policy, landing
     engine.queue[0].fail = True
     engine.run(landing)
     cache.poll()
-    cache.check_invariants(request_pages=0)  # L1 holds just the second load's pages, until its copy is done
-    assert cache.match(PROMPT).device_hit_tokens == 0 and cache.draining_pages == 2
+    check_invariants(cache, request_pages=0)  # L1 holds just the second load's pages, until its copy is done
+    assert cache.match(PROMPT).device_hit_tokens == 0 and draining_pages(cache) == 2
     end_both(cache, engine, whole, head)
     assert cache.match(PROMPT).host_hit_tokens == (10 if policy == "write_through" else 0)  # what L2 still holds
 
@@ -302,7 +303,7 @@ def test_a_failed_demotion_under_two_load_backs_leaves_locked_gaps_until_release
     engine.queue[0].fail = True
     engine.run(3)
     cache.poll()
-    cache.check_invariants(request_pages=0)
+    check_invariants(cache, request_pages=0)
     assert cache.match(PROMPT).hit_tokens == 0
     end_both(cache, engine, whole, head)
     assert not cache.tree.root.children, "the gaps outlived their locks"
@@ -337,7 +338,7 @@ def test_a_failed_demotion_under_a_load_back_leaves_a_host_only_child_below_a_lo
     engine.queue[0].fail = True
     engine.run()
     cache.poll()
-    cache.check_invariants(request_pages=0)
+    check_invariants(cache, request_pages=0)
     assert cache.match(PROMPT).hit_tokens == 0
     with pytest.raises(LoadBackError):
         asyncio.run(h.wait())

@@ -14,6 +14,7 @@ from decode_worker.cache.hicache import HierarchicalCache, LoadBackError
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
 from decode_worker.cache.radix_tree import token_key
 from decode_worker.cache.sizing import InsufficientHostMemory, host_pool_pages, make_host_pool, mem_available_bytes
+from tests.cache_invariants import check_invariants
 
 PS = 2
 LAYOUT = KVLayout("test", num_layers=2, num_kv_heads=1, head_dim=4, page_size=PS, dtype=torch.float32)
@@ -109,13 +110,13 @@ def only_on_host(cache, dev, tokens) -> None:
 
 def assert_quiescent(cache: HierarchicalCache) -> None:
     cache.drain()
-    cache.check_invariants(request_pages=0)
+    check_invariants(cache, request_pages=0)
     assert all(n.lock_ref == 0 for n in cache.tree.nodes())
     assert cache.tree.locked_device_pages == 0
     s = cache.stats()
     for tier in ("device", "host") if cache.host_alloc else ("device",):
-        t = s[tier]
-        assert t["free"] + t["used"] + t["evictable"] + t["locked"] == t["total"] and t["locked"] == 0
+        t = getattr(s, tier)
+        assert t.free + t.used + t.evictable + t.locked == t.total and t.locked == 0
 
 
 def node_of(cache, tokens):
@@ -266,7 +267,7 @@ def test_split_keeps_total_size_and_page_alignment(hc):
     seqs = [PROMPT, PROMPT[:6] + (1, 1, 1, 1), PROMPT[:2] + (5, 5, 5), PROMPT + (8, 8)]
     for s in seqs:
         run(cache, dev, s)
-    cache.check_invariants(request_pages=0)
+    check_invariants(cache, request_pages=0)
     pages_cached = {s[:p] for s in seqs for p in range(PS, len(s) + 1, PS)}
     assert sum(n.num_tokens for n in cache.tree.nodes()) == len(pages_cached) * PS == cache.tree.device_pages * PS
     for q in seqs + [PROMPT[:7], PROMPT[:3] + (1,), (0,), PROMPT[:6] + (1, 1, 1)]:
@@ -360,7 +361,7 @@ def test_cache_in_flight_shares_a_new_prefix(hc):
     cache.drain()  # the write_through backup's lock
     assert h.released and torch.equal(mine, pages) and h2.prefix_tokens == 10
     assert node_of(cache, tokens).lock_ref == 1
-    cache.check_invariants(request_pages=1)  # the partial last page
+    check_invariants(cache, request_pages=1)  # the partial last page
     assert cache.match(PROMPT + (9,)).device_hit_tokens == 10  # a concurrent request hits it now
     with pytest.raises(RuntimeError, match="twice"):
         cache.release(h)
@@ -383,7 +384,7 @@ def test_cache_in_flight_adopts_the_tree_pages_of_a_prefix_another_request_cache
     assert torch.equal(b_mine[:5], a_pages) and torch.equal(b_mine[5:], b_pages[5:])
     assert b.prefix_tokens == 12 and node_of(cache, PROMPT).lock_ref == 2
     assert_kv(dev, b_tokens, b_mine[:6])
-    cache.check_invariants(request_pages=1)
+    check_invariants(cache, request_pages=1)
     finish_in_flight(cache, a_tokens, a, a_mine)
     finish_in_flight(cache, b_tokens, b, b_mine)
     assert_quiescent(cache)
@@ -400,7 +401,7 @@ def test_cache_in_flight_revives_a_host_only_node(hc):
     h, mine = cache.cache_in_flight(h, tokens, pages)
     assert torch.equal(mine, pages) and torch.equal(node.device_indices, pages[:5])
     assert torch.equal(node.host_indices, host) and node.lock_ref == 1
-    cache.check_invariants(request_pages=1)
+    check_invariants(cache, request_pages=1)
     finish_in_flight(cache, tokens, h, mine)
     assert_quiescent(cache)
 
@@ -419,7 +420,7 @@ def test_cache_in_flight_keeps_the_pages_past_a_load_back_in_flight(hc):
     h, mine = cache.cache_in_flight(h, tokens, pages)
     assert h.prefix_tokens == 4 and torch.equal(mine[2:], pages[2:])  # past the loading node: still the request's
     assert torch.equal(mine[:2], node_of(cache, PROMPT[:4]).device_indices)
-    cache.check_invariants(request_pages=4 + other.delta_pages.numel())
+    check_invariants(cache, request_pages=4 + other.delta_pages.numel())
     assert_kv(dev, tokens, mine[:5])
     cache.engine.gate.set()
     asyncio.run(other.wait())
@@ -427,7 +428,7 @@ def test_cache_in_flight_keeps_the_pages_past_a_load_back_in_flight(hc):
     finish(cache, dev, PROMPT + (4,), other)
     h, mine = cache.cache_in_flight(h, tokens, mine)  # the load-back landed: now the rest joins
     assert h.prefix_tokens == 10 and torch.equal(mine[2:5], node_of(cache, PROMPT).device_indices)
-    cache.check_invariants(request_pages=1)
+    check_invariants(cache, request_pages=1)
     finish_in_flight(cache, tokens, h, mine)
     assert_quiescent(cache)
 
@@ -442,7 +443,7 @@ def test_write_through_backs_up_on_insert(hc):
     node = node_of(cache, PROMPT)
     assert node.on_device and node.on_host
     assert_kv(host, PROMPT, node.host_indices)
-    assert cache.stats()["tokens"]["backed_up"]["host"] == 10
+    assert cache.stats().tokens.backed_up == 10
 
 
 def test_write_through_selective_backs_up_on_second_hit(hc):
@@ -503,8 +504,8 @@ def test_eviction_tiers(hc):
     assert cache.match(PROMPT[:4] + (7, 7)).hit_tokens == 4
     assert cache.evict_host(100) == 2
     assert not list(cache.tree.nodes())
-    s = cache.stats()["tokens"]
-    assert s["evicted"] == {"device": 12, "host": 6}
+    s = cache.stats().tokens
+    assert (s.evicted_device, s.evicted_host) == (12, 6)
     assert_quiescent(cache)
 
 
@@ -554,7 +555,7 @@ def test_no_host_tier_is_a_plain_radix_cache(hc):
     cache, dev, _ = hc(host_pages=None)
     run(cache, dev, PROMPT)
     assert cache.evict_device(100) == 5 and not list(cache.tree.nodes())
-    assert "host" not in cache.stats()
+    assert cache.stats().host is None
     assert_quiescent(cache)
 
 
@@ -564,7 +565,7 @@ def test_out_of_pages_takes_nothing(hc):
     h2 = start(cache, (1, 1, 1))
     with pytest.raises(OutOfPages):
         start(cache, (2,) * 6)
-    cache.check_invariants(request_pages=7)
+    check_invariants(cache, request_pages=7)
     for h in (h1, h2):
         cache.release(h)
     assert_quiescent(cache)
@@ -590,9 +591,9 @@ def test_stats_counters(hc):
     run(cache, dev, PROMPT + (1, 1))
     run(cache, dev, PROMPT + (1, 1))
     cache.drain()
-    t = cache.stats()["tokens"]
-    assert t["cached"] == {"device": 12, "host": 10} and t["loaded_back"] == 10
-    assert t["backed_up"]["host"] == 12 and t["evicted"]["device"] == 10
+    t = cache.stats().tokens
+    assert (t.cached_device, t.cached_host) == (12, 10) and t.loaded_back == 10
+    assert t.backed_up == 12 and t.evicted_device == 10
 
 
 # -- failures ----------------------------------------------------------------------------------------------------

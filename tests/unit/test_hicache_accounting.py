@@ -3,11 +3,13 @@ version: copies over several nodes, page counts per state, budgets at their edge
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 
 import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
+from tests.cache_invariants import check_invariants, draining_pages
 from tests.unit.test_hicache import (
     LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, only_on_host, run, start,  # noqa: F401
 )
@@ -50,12 +52,30 @@ def test_stats_count_each_page_once_in_its_state(hc):
     cache.evict_device(3)  # C (1 page) and B (2) become host-only; A stays on both tiers
     h = start(cache, A + (9, 9))  # locks A and holds a 1-page delta
     s = cache.stats()
-    assert s["device"] == {"total": 19, "free": 16, "used": 1, "evictable": 0, "locked": 2}
-    assert s["host"] == {"total": 24, "free": 19, "used": 0, "evictable": 3, "locked": 2}
+    assert asdict(s.device) == {"total": 19, "free": 16, "used": 1, "evictable": 0, "locked": 2}
+    assert asdict(s.host) == {"total": 24, "free": 19, "used": 0, "evictable": 3, "locked": 2}
     assert cache.available_device_pages() == 16
     cache.release(h)
     assert cache.available_device_pages() == 19
     assert_quiescent(cache)
+
+
+def test_stats_to_dict_is_the_server_info_cache_object(hc):
+    """``/server_info``'s ``cache`` object: the same keys, nesting and values as the typed stats."""
+    cache, dev, host = hc(device_pages=20)
+    three_nodes(cache, dev)
+    cache.drain()
+    cache.evict_device(3)
+    h = start(cache, A + (9, 9))
+    assert cache.stats().to_dict() == {
+        "device": {"total": 19, "free": 16, "used": 1, "evictable": 0, "locked": 2},
+        "host": {"total": 24, "free": 19, "used": 0, "evictable": 3, "locked": 2},
+        "tokens": {"cached": {"device": 16, "host": 0}, "evicted": {"device": 6, "host": 0},
+                   "backed_up": {"host": 10}, "loaded_back": 0},
+    }
+    cache.release(h)
+    l1_only, _, _ = hc(host_pages=None)
+    assert list(l1_only.stats().to_dict()) == ["device", "tokens"]
 
 
 def test_two_write_back_batches_in_flight_drain_both(hc):
@@ -65,11 +85,11 @@ def test_two_write_back_batches_in_flight_drain_both(hc):
     cache.engine.gate.clear()
     cache.evict_device(1)
     cache.evict_device(1)  # a second demotion while the first is in flight
-    assert cache.draining_pages == 4
-    cache.check_invariants(request_pages=0)
+    assert draining_pages(cache) == 4
+    check_invariants(cache, request_pages=0)
     cache.engine.gate.set()
     cache.drain()
-    assert cache.draining_pages == 0
+    assert draining_pages(cache) == 0
     assert_quiescent(cache)
 
 

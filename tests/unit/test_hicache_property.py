@@ -33,11 +33,12 @@ from hypothesis.stateful import (
 )
 
 from decode_worker.cache.copy_engine import CopyEngine
-from decode_worker.cache.hicache import (
-    EVICTION_POLICIES, WRITE_POLICIES, HierarchicalCache, LoadBackError, LoadHandle, PendingCopy,
-)
+from decode_worker.cache.hicache import HierarchicalCache, LoadBackError, LoadHandle
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
-from decode_worker.cache.radix_tree import key_tokens, token_key
+from decode_worker.cache.radix_tree import token_key
+from decode_worker.cache.tiers import PendingCopy
+from decode_worker.core.policies import EvictionPolicy, WritePolicy
+from tests.cache_invariants import check_invariants, key_tokens, prefix_key
 
 PS = 2
 LAYOUT = KVLayout("prop", num_layers=2, num_kv_heads=1, head_dim=4, page_size=PS, dtype=torch.float32)
@@ -191,8 +192,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.l2_handed_out: set[int] = set()  # L2 pages allocated since the last check
 
     @initialize(
-        policy=st.sampled_from(WRITE_POLICIES),
-        eviction=st.sampled_from(EVICTION_POLICIES),
+        policy=st.sampled_from(tuple(WritePolicy)),
+        eviction=st.sampled_from(tuple(EvictionPolicy)),
         l2=st.sampled_from((True, True, True, False)),  # most rules need L2
     )
     def setup(self, policy, eviction, l2):
@@ -362,7 +363,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         targets = [c for c in landing if self.copy_kind(c) != "backup"] or landing
         op = self.pending_op(targets[i % len(targets)])
-        self.stale(key_tokens(self.cache.tree.prefix_key(op.nodes[-1])), n, fail)
+        self.stale(key_tokens(prefix_key(self.cache.tree, op.nodes[-1])), n, fail)
 
     def stale(self, tokens: tuple[int, ...], n: int, fail: bool) -> None:
         """Match ``tokens``, let ``n`` copies finish unapplied (failing those on the path with ``fail``), lock."""
@@ -717,7 +718,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.engine is None or not self.engine.errors, f"a copy failed by itself: {self.engine.errors!r}"
         request_pages = sum(r.owned for r in self.reqs)
         fill_pages = sum(f.pages.numel() for f in self.fills)
-        self.cache.check_invariants(request_pages=request_pages, prefetch_pages=fill_pages)
+        check_invariants(self.cache, request_pages=request_pages, prefetch_pages=fill_pages)
         t = self.tree_state()
         dev = self.cache.device_alloc
         assert dev.num_free + len(t.dev) + self.cache._draining + request_pages == dev.total

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
 
-from decode_worker.cache.hicache import EVICTION_POLICIES, STORAGE_BACKUP_POLICIES, WRITE_POLICIES
 from decode_worker.cache.radix_tree import chain_hashes, token_key
 from decode_worker.cache.storage import Prefetch, StorageTier, StoreBackend, decode_record, encode_record
+from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy
 from tests.unit.test_hicache_property import (
     DOCS, FAST, LAYOUT, MAX_FILLS, OVERSIZE, PROMPT, PS, CacheMachine, Fill, assert_every_branch_fires, page_prefixes,
     page_value,
@@ -130,9 +130,9 @@ class L3Machine(CacheMachine):
     BRANCHES = CacheMachine.BRANCHES + L3_BRANCHES
 
     @initialize(
-        policy=st.sampled_from(WRITE_POLICIES),
-        eviction=st.sampled_from(EVICTION_POLICIES),
-        backup=st.sampled_from(STORAGE_BACKUP_POLICIES),
+        policy=st.sampled_from(tuple(WritePolicy)),
+        eviction=st.sampled_from(tuple(EvictionPolicy)),
+        backup=st.sampled_from(tuple(StorageBackup)),
     )
     def setup(self, policy, eviction, backup):
         self.loop.set_default_executor(InlineExecutor())

@@ -6,6 +6,7 @@ import asyncio
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
 from decode_worker.cache.storage import FileStore, StorageTier
+from tests.cache_invariants import check_invariants
 from tests.unit.test_hicache import LAYOUT, PS, GatedEngine, assert_kv, page_value, start, write_kv
 
 PROMPT = tuple(range(10))
@@ -24,11 +25,11 @@ async def prefetch_into(cache, tokens):
     keys = cache.storage_keys(m)
     found = await cache.storage.exists(keys)
     pages = cache.alloc_host(found)
-    cache.check_invariants(prefetch_pages=found)
+    check_invariants(cache, prefetch_pages=found)
     arrived = await cache.storage.prefetch(keys[:found], cache.host_pool, pages, None)
     span = cache.insert_host(tokens, pages[:arrived], m.hit_tokens // PS)
     cache.free_host(pages[arrived:])
-    cache.check_invariants(prefetch_pages=0)
+    check_invariants(cache, prefetch_pages=0)
     return m, span
 
 
@@ -45,7 +46,7 @@ def test_backup_to_l3_then_fresh_cache_restores(tmp_path):
         cache.drain()
         await tier.flush()
         assert tier.backed_up_pages == 5
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         # fresh cache on the same folder
         cache2, dev2, host2, tier2 = make(tmp_path)
         q = PROMPT + (99, 98, 97)
@@ -58,7 +59,7 @@ def test_backup_to_l3_then_fresh_cache_restores(tmp_path):
         assert_kv(dev2, PROMPT, h.device_indices)
         cache2.release(h)
         cache2.drain()
-        cache2.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache2, request_pages=0, prefetch_pages=0)
         # partial L1 hit then L3 for the rest: evict the tail only
         for c in (cache, cache2):
             c.close()
@@ -78,28 +79,28 @@ def test_insert_host_dups_gaps_and_split(tmp_path):
             host.buffer[:, :, pg] = page_value(PROMPT[: (j + 1) * PS])
         span = cache.insert_host(PROMPT, pages, 2)
         assert span == range(3, 5)
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         m = cache.match(PROMPT)
         assert (m.device_hit_tokens, m.host_hit_tokens) == (6, 4)
         # a gap: pages from page 6 of a longer prompt whose page 5 is not cached -> all freed
         longer = PROMPT + tuple(range(10, 20))
         pages = cache.alloc_host(2)
         assert cache.insert_host(longer, pages, 6) == range(0)
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         # split: a prompt diverging inside node [3,5): pages 0..3 shared, page 4 different
         other = PROMPT[:8] + (77, 78)
         pages = cache.alloc_host(1)
         host.buffer[:, :, pages[0]] = page_value(other)
         assert cache.insert_host(other, pages, 4) == range(4, 5)
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         m = cache.match(other)
         assert m.hit_tokens == 10
         h = cache.load_back_and_lock(m); await h.wait(); assert_kv(dev, other, h.device_indices); cache.release(h)
-        cache.drain(); cache.check_invariants(request_pages=0, prefetch_pages=0)
+        cache.drain(); check_invariants(cache, request_pages=0, prefetch_pages=0)
         # everything already present: all freed
         pages = cache.alloc_host(2)
         assert cache.insert_host(PROMPT, pages, 0) == range(0)
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         cache.close(); await tier.close()
     asyncio.run(go())
 
@@ -114,6 +115,6 @@ def test_hit_twice_policy(tmp_path):
             h = start(cache, PROMPT + (i,)); await h.wait(); cache.release(h); cache.drain()
             await tier.flush()
             assert tier.backed_up_pages == (0 if i == 0 else 5), i
-        cache.check_invariants(request_pages=0, prefetch_pages=0)
+        check_invariants(cache, request_pages=0, prefetch_pages=0)
         cache.close(); await tier.close()
     asyncio.run(go())

@@ -22,6 +22,7 @@ from decode_worker.core.request import GenerateInput, RequestError, RequestStrea
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.scheduler import Scheduler
+from tests.cache_invariants import check_invariants
 from tests.unit.test_scheduler import GREEDY, make_scheduler, offline, settle  # noqa: F401
 
 PAGE = 4
@@ -121,7 +122,7 @@ def test_abort_while_loading_back_from_l2(tiny_models, offline):
         assert req.handle.restored_tokens >= len(PREFIX) and not req.handle.ready()
         scheduler.abort("restoring")
         aborted = await collect(stream)
-        cache.check_invariants(request_pages=0)  # the copy still runs: its pages belong to the tree, not the request
+        check_invariants(cache, request_pages=0)  # the copy still runs: its pages belong to the tree, not the request
         cache.engine.gate.set()
         await wait_until(lambda: not cache.busy)
         return aborted, await collect(submit(scheduler, "again", FOLLOW))

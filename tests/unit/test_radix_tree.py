@@ -8,7 +8,8 @@ import struct
 import pytest
 import torch
 
-from decode_worker.cache.radix_tree import RadixTree, chain_hashes, key_tokens, token_key
+from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
+from tests.cache_invariants import key_tokens, prefix_key
 
 PS = 4
 
@@ -74,7 +75,7 @@ def test_split_keeps_size_alignment_and_pages():
     (head,) = tree.root.children.values()
     assert head.device_indices.tolist() == [1, 2]  # the split kept a's first pages in the head
     assert sorted(c.device_indices.tolist() for c in head.children.values()) == [[3, 4], [5, 6]]
-    assert key_tokens(tree.prefix_key(match(tree, b)[0][-1])) == b
+    assert key_tokens(prefix_key(tree, match(tree, b)[0][-1])) == b
 
 
 def test_split_copies_lock_and_stats():

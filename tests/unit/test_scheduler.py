@@ -20,6 +20,7 @@ from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.batch import Batch, BatchKind
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.scheduler import Scheduler
+from tests.cache_invariants import check_invariants
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -89,15 +90,13 @@ def settle(scheduler: Scheduler) -> None:
     """With no request live and no copy in flight, every page and lock the requests took is back."""
     cache = scheduler.cache
     cache.drain()
-    cache.check_invariants(request_pages=0)
+    check_invariants(cache, request_pages=0)
     locked = [n for n in cache.tree.nodes() if n.lock_ref]
     assert not locked, f"lock refs left: {locked}"
     stats = cache.stats()
-    assert stats["device"]["locked"] == 0 and stats["device"]["used"] == 0
-    for tier in ("device", "host"):
-        if tier in stats:
-            pages = stats[tier]
-            assert pages["free"] + pages["used"] + pages["evictable"] + pages["locked"] == pages["total"], (tier, pages)
+    assert stats.device.locked == 0 and stats.device.used == 0
+    for tier, pages in stats.tiers().items():
+        assert pages.free + pages.used + pages.evictable + pages.locked == pages.total, (tier, pages)
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ def test_tier_backup_then_prefetch_round_trip(tmp_path):
     asyncio.run(go())
     assert same_pages(src, torch.arange(8), dst, dst_pages)
     stats = tier.stats()
-    assert stats["backed_up_tokens"] == stats["prefetched_tokens"] == 8 * PS and stats["failures"] == {}
+    assert stats.backed_up_tokens == stats.prefetched_tokens == 8 * PS and stats.failures == {}
 
 
 def test_tier_backup_copies_pages_before_returning(tmp_path):
@@ -283,7 +283,7 @@ def test_prefetch_stops_at_first_gap(tmp_path):
     assert asyncio.run(go()) == 2
     assert same_pages(src, torch.arange(2), dst, torch.arange(2))
     assert not dst.buffer[:, :, 2:].any(), "pages after the gap were written"
-    assert tier.stats()["failures"] == {}  # a miss is not a failure
+    assert tier.stats().failures == {}  # a miss is not a failure
 
 
 @pytest.mark.parametrize(
@@ -308,7 +308,7 @@ def test_damaged_page_is_a_counted_miss_and_gets_deleted(tmp_path, damage, reaso
 
     assert asyncio.run(go()) == (3, 3)  # pages before it arrive; it is gone so a later backup can rewrite it
     assert same_pages(src, torch.arange(3), dst, torch.arange(3)) and not dst.buffer[:, :, 3:].any()
-    assert tier.stats()["failures"] == {"prefetch": {reason: 1}}
+    assert tier.stats().failures == {"prefetch": {reason: 1}}
 
 
 def test_foreign_fingerprint_page_is_a_miss(tmp_path):
@@ -326,7 +326,7 @@ def test_foreign_fingerprint_page_is_a_miss(tmp_path):
 
     assert asyncio.run(go()) == (2, 3)  # not deleted: it is someone else's page
     assert not dst.buffer[:, :, 2].any()
-    assert tier.stats()["failures"] == {"prefetch": {"foreign": 1}}
+    assert tier.stats().failures == {"prefetch": {"foreign": 1}}
 
 
 def test_tier_rejects_a_host_pool_of_another_layout(tmp_path):
@@ -411,7 +411,7 @@ def test_store_down_degrades_to_misses_and_recovers(tmp_path):
         return await tier.exists(KEYS), await tier.prefetch(KEYS, dst, torch.arange(8), None)
 
     assert asyncio.run(go()) == (8, 8)
-    assert tier.stats()["failures"] == {
+    assert tier.stats().failures == {
         "exists": {"down": 1},
         "prefetch": {"unavailable": 1},
         "backup": {"unavailable": 1},
@@ -429,7 +429,7 @@ def test_slow_store_calls_time_out(tmp_path):
 
     n, took = asyncio.run(go())
     assert n == 0 and took < 1.0
-    assert tier.stats()["failures"] == {"prefetch": {"timeout": 1}} and tier.is_down
+    assert tier.stats().failures == {"prefetch": {"timeout": 1}} and tier.is_down
 
 
 def test_full_store_counts_but_keeps_serving_reads(tmp_path):
@@ -444,7 +444,7 @@ def test_full_store_counts_but_keeps_serving_reads(tmp_path):
         return await tier.prefetch(KEYS, dst, torch.arange(8), None)
 
     assert asyncio.run(go()) == 2
-    assert tier.stats()["failures"] == {"backup": {"full": 1}} and not tier.is_down
+    assert tier.stats().failures == {"backup": {"full": 1}} and not tier.is_down
 
 
 def test_backup_queue_is_bounded(tmp_path):
@@ -460,7 +460,7 @@ def test_backup_queue_is_bounded(tmp_path):
         return await tier.exists(KEYS)
 
     assert asyncio.run(go()) == 4
-    assert tier.stats()["failures"] == {"backup": {"queue_full": 1}}
+    assert tier.stats().failures == {"backup": {"queue_full": 1}}
 
 
 def test_open_storage_from_flags(tmp_path):

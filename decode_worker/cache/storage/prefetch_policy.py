@@ -8,27 +8,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("best_effort", "wait_complete", "timeout")
+from decode_worker.core.policies import PrefetchMode
 
 
 @dataclass(frozen=True)
 class PrefetchPolicy:
-    name: str = "best_effort"
+    name: PrefetchMode = PrefetchMode.BEST_EFFORT  # a plain string is converted
     base_s: float = 1.0
     per_1k_tokens_s: float = 0.25
     cap_s: float = 5.0
     hard_cap_s: float = 30.0  # wait_complete's bound
 
     def __post_init__(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"prefetch policy {self.name!r} not in {POLICIES}")
+        try:
+            mode = PrefetchMode(self.name)
+        except ValueError:
+            modes = tuple(m.value for m in PrefetchMode)
+            raise ValueError(f"prefetch policy {self.name!r} not in {modes}") from None
         if min(self.base_s, self.per_1k_tokens_s, self.cap_s, self.hard_cap_s) < 0:
             raise ValueError(f"prefetch timeouts must not be negative: {self}")
+        object.__setattr__(self, "name", mode)
 
     def deadline_s(self, tokens: int) -> float:
         """Seconds a request may wait for a prefetch of ``tokens`` tokens (those beyond its L1 + L2 hit)."""
-        if self.name == "best_effort":
+        if self.name is PrefetchMode.BEST_EFFORT:
             return 0.0
-        if self.name == "wait_complete":
+        if self.name is PrefetchMode.WAIT_COMPLETE:
             return self.hard_cap_s
         return min(self.cap_s, self.base_s + self.per_1k_tokens_s * tokens / 1000)

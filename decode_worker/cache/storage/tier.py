@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.cache.stats import StorageStats
 from decode_worker.cache.storage.base import (
     CORRUPT,
     HEADER_BYTES,
@@ -197,20 +198,20 @@ class StorageTier:
     def is_down(self) -> bool:
         return time.monotonic() < self._down_until
 
-    def stats(self) -> dict:
+    def stats(self) -> StorageStats:
         """Token counters and failures per op and reason (``storage_failures_total{op,reason}``)."""
         failures: dict[str, dict[str, int]] = {}
         for (op, reason), n in sorted(self.failures.items()):
             failures.setdefault(op, {})[reason] = n
         ps = self.layout.page_size
-        return {
-            "backend": self.backend.name,
-            "down": self.is_down,
-            "prefetched_tokens": self.prefetched_pages * ps,
-            "backed_up_tokens": self.backed_up_pages * ps,
-            "backup_queue_bytes": self._queued_bytes,
-            "failures": failures,
-        }
+        return StorageStats(
+            backend=self.backend.name,
+            down=self.is_down,
+            prefetched_tokens=self.prefetched_pages * ps,
+            backed_up_tokens=self.backed_up_pages * ps,
+            backup_queue_bytes=self._queued_bytes,
+            failures=failures,
+        )
 
     # -- internals --------------------------------------------------------------------------------------------------
 

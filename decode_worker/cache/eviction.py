@@ -1,0 +1,164 @@
+"""Eviction for ``HierarchicalCache``: the policy's ordering key (LRU or LFU), which nodes each tier may give up,
+the eviction batches (``evict_device``, ``evict_host``), removing nodes (``_drop``) and counting evictable pages.
+
+A mixin for the reason given in ``tiers.py``: the state lives once, on the cache. Besides the attributes below,
+it calls ``_alloc_host`` (tiers) to demote a write_back victim to L2.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import torch
+
+from decode_worker.cache.copy_engine import CopyEngine
+from decode_worker.cache.handles import cat_pages
+from decode_worker.cache.pool import PageAllocator
+from decode_worker.cache.radix_tree import RadixTree, TreeNode
+from decode_worker.cache.stats import CacheCounters
+from decode_worker.cache.tiers import PendingCopy
+from decode_worker.core.policies import EvictionPolicy, WritePolicy
+
+
+class EvictionMixin:
+    """Victim selection and eviction in both tiers (state: see ``tiers.py``)."""
+
+    tree: RadixTree
+    page_size: int
+    write_policy: WritePolicy
+    eviction: EvictionPolicy
+    device_alloc: PageAllocator
+    host_alloc: PageAllocator | None
+    engine: CopyEngine | None
+    counters: CacheCounters
+    _pending: deque[PendingCopy]
+    _draining: int
+
+    # -- victims ----------------------------------------------------------------------------------------------------
+
+    def _entry(self, node: TreeNode) -> tuple:
+        """Heap entry: the policy's ordering key (least recently used; or least hit, then least recent), a
+        tie-breaker, and the node."""
+        if self.eviction == EvictionPolicy.LFU:
+            prio: tuple = (node.hit_count, node.last_access)
+        else:
+            prio = (node.last_access,)
+        return (*prio, id(node), node)
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return node.on_device and node.lock_ref == 0 and not any(c.on_device for c in node.children.values())
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return node.on_host and not node.on_device and node.lock_ref == 0 and not node.children and node.saving is None
+
+    def _host_evictable_pages(self) -> int:
+        """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
+        subtree (a write_back victim is marked ``saving`` before its demotion locks it, within one batch)."""
+        blocked: set[TreeNode] = set()  # being written, or above a node that is
+        for node in self.tree.nodes():
+            up = node if node.saving is not None else self.tree.root
+            while up is not self.tree.root and up not in blocked:
+                blocked.add(up)
+                up = up.parent
+        return sum(self.tree.num_pages(n) for n in self.tree.nodes()
+                   if n.on_host and not n.on_device and n.lock_ref == 0 and n not in blocked)
+
+    def _host_page_states(self) -> tuple[int, int]:
+        """L2 pages in the tree that are locked, and that are evictable (unlocked, host-only), for ``stats``."""
+        locked = evictable = 0
+        for node in self.tree.nodes():
+            if node.on_host:
+                k = self.tree.num_pages(node)
+                if node.lock_ref:
+                    locked += k
+                elif not node.on_device:
+                    evictable += k
+        return locked, evictable
+
+    # -- eviction batches -------------------------------------------------------------------------------------------
+
+    def evict_device(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L1 pages from unlocked leaves in one batch; returns pages released.
+
+        A backed-up leaf is demoted to host-only; under write_back a leaf is backed up now (its L1 pages are
+        freed when that copy finishes); any other leaf leaves the tree with its host-only subtree.
+        """
+        tree = self.tree
+        heap = [self._entry(n) for n in tree.nodes() if self._device_evictable(n)]
+        heapq.heapify(heap)
+        demote = PendingCopy("backup", nodes=[], locked=[])
+        old_pages, released = [], 0
+        while released < n_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            parent, k = node.parent, self.tree.num_pages(node)
+            if node.on_host:
+                self.device_alloc.free(tree.clear_device(node))
+            elif self.write_policy == WritePolicy.WRITE_BACK and (host := self._alloc_host(k)) is not None:
+                old_pages.append(tree.clear_device(node))
+                tree.set_host(node, host)
+                node.saving = demote  # keeps evict_host off it until the copy is queued and locks it
+                demote.nodes.append(node)
+            else:
+                self._drop(node)
+            self.counters.evicted_device += k * self.page_size
+            released += k
+            if parent is not tree.root and self._device_evictable(parent):
+                heapq.heappush(heap, self._entry(parent))
+        if old_pages:
+            self._start_demotion(demote, old_pages)
+        return released
+
+    def _start_demotion(self, op: PendingCopy, old_pages: list[torch.Tensor]) -> None:
+        """Copy write_back victims to L2; their old L1 pages are freed when the copy is done.
+
+        A victim whose parent was dropped later in the same batch left the tree with it: it is not copied.
+        """
+        live = [(n, p) for n, p in zip(op.nodes, old_pages) if n.parent is not None]
+        op.drain = cat_pages(old_pages)
+        if not live:
+            self.device_alloc.free(op.drain)
+            return
+        op.nodes = [n for n, _ in live]
+        op.locked = list(op.nodes)
+        for node in op.nodes:
+            self.tree.lock(node)
+        self._draining += op.drain.numel()
+        op.future = self.engine.backup(cat_pages([p for _, p in live]), cat_pages([n.host_indices for n in op.nodes]))
+        self._pending.append(op)
+
+    def evict_host(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L2 pages from unlocked host-only leaves; returns pages freed."""
+        tree = self.tree
+        heap = [self._entry(n) for n in tree.nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            parent = node.parent
+            freed += self.tree.num_pages(node)
+            self._drop(node)
+            if parent is not tree.root and self._host_evictable(parent):
+                heapq.heappush(heap, self._entry(parent))
+        return freed
+
+    # -- removing nodes ---------------------------------------------------------------------------------------------
+
+    def _drop(self, node: TreeNode) -> None:
+        """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers."""
+        for n in self.tree.subtree(node):
+            if n.on_device:
+                self.device_alloc.free(self.tree.clear_device(n))
+            if n.on_host:
+                self.host_alloc.free(self.tree.clear_host(n))
+                self.counters.evicted_host += n.num_tokens
+        self.tree.remove(node)
+
+    def _prune_gap_above(self, node: TreeNode) -> None:
+        """Drop the highest unlocked node in neither tier on the path to ``node`` (left by a failed backup)."""
+        gap = None
+        while node is not self.tree.root and node.parent is not None:
+            if not node.on_device and not node.on_host and node.lock_ref == 0:
+                gap = node
+            node = node.parent
+        if gap is not None:
+            self._drop(gap)

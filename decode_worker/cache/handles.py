@@ -1,0 +1,83 @@
+"""What a caller of the cache holds: a ``MatchResult`` (read-only), a ``LoadHandle`` (a locked prefix and its
+pages) and the ``LoadBackError`` its ``wait`` raises. The cache's own bookkeeping lives in the other modules."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from decode_worker.cache.radix_tree import Key, TreeNode
+
+if TYPE_CHECKING:
+    from decode_worker.cache.hicache import HierarchicalCache
+    from decode_worker.cache.tiers import PendingCopy
+
+NO_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+def cat_pages(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Page tensors end to end (no copy for one part; an empty tensor for none)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else NO_PAGES
+
+
+class LoadBackError(RuntimeError):
+    """An L2->L1 copy this request depends on failed or was cancelled; its prefix is not usable."""
+
+
+@dataclass
+class MatchResult:
+    """Read-only prefix match: what is on L1, what can be restored from L2, and where the match stopped."""
+
+    key: Key  # token_key of the query
+    path: list[TreeNode]  # matched nodes; the last one may match only its first ``tail_pages`` pages
+    tail_pages: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    device_indices: torch.Tensor  # L1 pages of the device hit
+    restore_nodes: list[TreeNode]  # host-only nodes after the device hit, in path order
+    version: int  # tree version at match time; a stale match is redone by load_back_and_lock
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens
+
+
+@dataclass(eq=False)
+class LoadHandle:
+    """A locked prefix, its pending load-back and the request's delta pages."""
+
+    cache: HierarchicalCache
+    node: TreeNode  # deepest locked node (the root when nothing matched)
+    device_indices: torch.Tensor  # L1 pages of the whole prefix; valid once wait() returns
+    delta_pages: torch.Tensor  # pages allocated for the rest of the request, owned by the handle
+    device_hit_tokens: int
+    restored_tokens: int
+    waits: list[PendingCopy]
+    released: bool = False
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.device_indices.numel() * self.cache.page_size
+
+    def ready(self) -> bool:
+        self.cache.poll()
+        return all(op.ok is not None for op in self.waits)
+
+    async def wait(self) -> None:
+        """Until every copy the prefix depends on has finished; raises LoadBackError if one failed."""
+        if self.waits:
+            done, _ = await asyncio.wait([asyncio.wrap_future(op.future) for op in self.waits])
+            for f in done:
+                if not f.cancelled():
+                    f.exception()  # retrieved so asyncio does not log it; reported below as LoadBackError
+            self.cache.poll()  # copies finish in order, so everything up to ours is done
+        if not all(op.ok for op in self.waits):
+            raise LoadBackError(f"load-back of a {self.prefix_tokens}-token prefix failed")
+
+    def take_pages(self) -> torch.Tensor:
+        """Prefix pages followed by the delta pages; the delta pages now belong to the caller (for insert)."""
+        pages = torch.cat([self.device_indices, self.delta_pages])
+        self.delta_pages = NO_PAGES
+        return pages

@@ -1,0 +1,73 @@
+"""Test helpers that look inside the cache: its invariants, pages being drained, and keys back to tokens.
+
+They read the cache's private state on purpose; the product has no use for them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from decode_worker.cache.handles import cat_pages
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.radix_tree import Key, RadixTree, TreeNode
+
+
+def key_tokens(key: Key) -> tuple[int, ...]:
+    """Token ids back from a key."""
+    return tuple(np.frombuffer(key, dtype="<i4").tolist())
+
+
+def prefix_key(tree: RadixTree, node: TreeNode) -> Key:
+    """Key from the root down to the end of ``node``."""
+    parts = []
+    while node is not tree.root:
+        parts.append(node.key)
+        node = node.parent
+    return b"".join(reversed(parts))
+
+
+def draining_pages(cache: HierarchicalCache) -> int:
+    """L1 pages that copies free once they land (write_back demotions, undone loads): allocatable soon."""
+    return cache._draining
+
+
+def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
+                     prefetch_pages: int | None = None) -> None:
+    """Assert tree shape, tiers and page accounting; ``request_pages`` are L1 pages held outside the tree,
+    ``prefetch_pages`` L2 pages held outside it (taken with ``alloc_host``, not yet attached or freed)."""
+    tree, root = cache.tree, cache.tree.root
+    dev, host, locked_dev = [], [], 0
+    pending = set(cache._pending)
+    for node in tree.nodes():
+        parent, k = node.parent, cache.tree.num_pages(node)
+        assert node.key and len(node.key) % tree.page_bytes == 0, f"{node} is not page aligned"
+        assert parent.children.get(node.key[: tree.page_bytes]) is node, f"{node} is not its parent's child"
+        assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0, f"lock refs of {node}"
+        if node.on_device:
+            assert node.device_indices.numel() == k, f"{node} has {node.device_indices.numel()} L1 pages"
+            assert parent is root or parent.on_device, f"{node} is on L1 below a parent that is not"
+            dev.append(node.device_indices)
+            locked_dev += k if node.lock_ref else 0
+        if node.on_host:
+            assert node.host_indices.numel() == k, f"{node} has {node.host_indices.numel()} L2 pages"
+            host.append(node.host_indices)
+        # A gap is locked; below it may hang anything not on L1 (one request's path whose demotion failed is
+        # a chain of gaps): match stops at it, and the last unlock drops it with its subtree.
+        assert node.on_device or node.on_host or node.lock_ref > 0, f"{node} is in neither tier"
+        assert all(op is None or op in pending for op in (node.loading, node.saving)), f"{node} stale copy"
+    dev_pages = cat_pages(dev)
+    assert dev_pages.unique().numel() == dev_pages.numel(), "an L1 page is held by two nodes"
+    assert not bool((dev_pages < cache.device_alloc.reserved).any()), "a reserved L1 page is in the tree"
+    assert tree.device_pages == dev_pages.numel() and tree.locked_device_pages == locked_dev, "L1 counters"
+    assert cache._draining == sum(op.drain.numel() for op in cache._pending), "draining pages"
+    held = tree.device_pages + cache._draining
+    used = cache.device_alloc.num_used
+    assert used >= held, f"L1: {used} pages allocated but the tree holds {held}"
+    if request_pages is not None:
+        assert used == held + request_pages, f"L1: {used} allocated != {held} in tree + {request_pages} requests"
+    host_pages = cat_pages(host)
+    assert host_pages.unique().numel() == host_pages.numel(), "an L2 page is held by two nodes"
+    host_used = 0 if cache.host_alloc is None else cache.host_alloc.num_used
+    held = host_pages.numel() + cache._host_out
+    assert host_used == held, f"L2: {host_used} allocated != {host_pages.numel()} in tree + {cache._host_out} out"
+    if prefetch_pages is not None:
+        assert cache._host_out == prefetch_pages, f"L2: {cache._host_out} pages out != {prefetch_pages} prefetching"
