@@ -86,11 +86,14 @@ if triton is not None:
         dst_stride_layer, dst_stride_kv, dst_stride_page,
         PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """Grid (page pair, layer * 2 + kv, chunk): copy BLOCK elements of one contiguous page block."""
+        """Grid (page pair, layer * 2 + kv, chunk): copy BLOCK elements of one contiguous page block.
+
+        Offsets are int64: program ids are int32 and Triton passes strides under 2^31 as int32, and in int32
+        ``layer * stride_layer`` wraps in a pool past 2^31 elements (Llama-8B shape: ~2,080 pages of 16)."""
         i = tl.program_id(0)
-        layer = tl.program_id(1) // 2
-        kv = tl.program_id(1) % 2
-        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        layer = (tl.program_id(1) // 2).to(tl.int64)
+        kv = (tl.program_id(1) % 2).to(tl.int64)
+        offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < PAGE_ELEMS
         src_page = tl.load(src_pages_ptr + i).to(tl.int64)
         dst_page = tl.load(dst_pages_ptr + i).to(tl.int64)

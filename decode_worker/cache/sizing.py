@@ -5,9 +5,8 @@ kill mid-serving, or a CUDA pinning error); checking ``MemAvailable`` at start t
 """
 from __future__ import annotations
 
-import torch
-
 from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.core.host_memory import pin_in_place
 
 GB = 10**9  # SGLang's --hicache-size unit
 
@@ -60,7 +59,10 @@ def host_pool_pages(
     return pages
 
 
-def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool) -> KVPool:
-    """The L2 pool in host memory, pinned when L1 is on CUDA so copies run asynchronously at full speed."""
-    pin = device_pool.device.type == "cuda" and torch.cuda.is_available()
-    return KVPool(layout, num_pages, device="cpu", pin_memory=pin)
+def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_available: bool | None = None) -> KVPool:
+    """The L2 pool in host memory, exactly the bytes ``host_pool_pages`` counted; page-locked in place when L1 is
+    on CUDA, so copies run asynchronously at full speed (see ``pin_in_place``: no power-of-two rounding)."""
+    pool = KVPool(layout, num_pages, device="cpu")
+    if device_pool.device.type == "cuda":
+        pin_in_place(pool.buffer, owner=pool, cuda_available=cuda_available)
+    return pool

@@ -1,11 +1,15 @@
 """CUDA graphs of the decode step, one per padded batch-size bucket: a thin layer over the eager step.
 
 Static buffers hold the step's inputs; padded rows write their K/V to scratch page 0 and attend over one
-token, so they never touch a live request's pages.
+token, so they never touch a live request's pages. A graph replays fixed addresses and keeps nothing alive
+itself, so every tensor a captured step reads (``logits_indices`` included) is a slice of a buffer this object
+owns for the graphs' life: a temporary freed after capture would be handed to the next allocation, and replay
+would gather rows through whatever was written there.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,6 +18,45 @@ from decode_worker.model.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from decode_worker.model.runner import ModelRunner
 
+Step = Callable[[], torch.Tensor]
+
+
+class Graph(Protocol):
+    output: torch.Tensor
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """One captured step; ``output`` is the graph's own memory, rewritten by each replay."""
+
+    def __init__(self, step: Step, pool: tuple[int, int]):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up allocator and kernels outside capture
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = step()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """CPU stand-in for :class:`CudaGraph`: replay reruns the step on the tensors it was captured with and writes
+    the same output tensor, so bucketing, padding and buffer ownership are testable without a GPU."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        self.output = step()
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.output.copy_(self.step())
+
 
 def _buckets(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
@@ -21,7 +64,7 @@ def _buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", max_bs: int):
+    def __init__(self, runner: ModelRunner, max_bs: int):
         self.runner = runner
         self.max_pages = runner.config.max_context // runner.page_size + 1
         dev = runner.device
@@ -31,11 +74,16 @@ class DecodeGraphs:
         self.out_slots = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool_handle = torch.cuda.graph_pool_handle()
+        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)  # never written: row b is b
+        self.batches: dict[int, ForwardBatch] = {}  # what each graph was captured with, all views of the above
+        self.graphs: dict[int, Graph] = {}
+        self.pool_handle = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
             self._capture(bs)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors every captured step reads its inputs from (besides weights and the KV pool)."""
+        return [self.input_ids, self.positions, self.out_slots, self.page_table, self.seq_lens, self.logits_indices]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -46,27 +94,24 @@ class DecodeGraphs:
             page_table=self.page_table[:bs],
             seq_lens=self.seq_lens[:bs],
             prefix_lens=[0] * bs,
-            logits_indices=torch.arange(bs, device=self.input_ids.device),
+            logits_indices=self.logits_indices[:bs],
         )
 
     def _capture(self, bs: int) -> None:
-        fb = self._static_batch(bs)
+        fb = self.batches[bs] = self._static_batch(bs)
         model, pool = self.runner.model, self.runner.pool
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up allocator and kernels outside capture
-                model(fb, pool)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool_handle):
-            self.outputs[bs] = model(fb, pool)
-        self.graphs[bs] = graph
+
+        def step() -> torch.Tensor:
+            return model(fb, pool)
+
+        self.graphs[bs] = EagerGraph(step) if self.pool_handle is None else CudaGraph(step, self.pool_handle)
 
     def fits(self, fb: ForwardBatch) -> bool:
         return fb.batch_size <= self.buckets[-1] and fb.page_table.shape[1] <= self.max_pages
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of ``fb``: a view of the graph's output, valid until the next replay (the forward thread samples
+        from it before the next step; copy it to keep it longer)."""
         bs = fb.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
         self.input_ids[:bs].copy_(fb.input_ids)
@@ -81,5 +126,6 @@ class DecodeGraphs:
         self.out_slots[bs:bucket].zero_()
         self.seq_lens[bs:bucket].fill_(1)
         self.page_table[bs:bucket].zero_()
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:bs]
+        graph = self.graphs[bucket]
+        graph.replay()
+        return graph.output[:bs]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,18 @@ def read_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw, path.name)
 
 
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make parameters in ``dtype`` as they are created: building in fp32 and casting after peaks at 6 bytes per
+    bf16 parameter (an 8B model then needs 48 GB to load). Process-wide, so only while the model is built."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True) -> LoadedModel:
     path = Path(path).expanduser()
     if not path.exists():
@@ -60,9 +73,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     else:
         config = read_config(path)
         tensors = _safetensors(path)
-    with torch.device(device):
+    with torch.device(device), default_dtype(dtype):
         model = LlamaModel(config)
-    load_weights(model, tensors)
-    model = model.to(dtype=dtype).eval()
+    load_weights(model, tensors)  # copies cast each checkpoint tensor into the parameter's dtype
+    model.eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
     return LoadedModel(config, model, tok, weights_digest(model))

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel
+from decode_worker.model.sampler import SampleResult, sample
 
 
 class ModelRunner:
@@ -37,7 +39,14 @@ class ModelRunner:
         return ForwardBatch.build(new_tokens, prefix_lens, pages, self.page_size, self.device, all_logits)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (or [T, vocab] with all_logits) in float32."""
+        """Logits [B, vocab] (or [T, vocab] with all_logits) in float32. From a CUDA graph they are a view of its
+        output, valid until the next replay: sample from them first, or copy them."""
         if self.graphs is not None and fb.is_decode and self.graphs.fits(fb):
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)
+
+    def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams],
+                       generators: list[torch.Generator | None]) -> SampleResult:
+        """Forward and sample on the calling thread, which waits for the device in the sampler's ``.tolist()``:
+        the caller gets Python lists, never a device tensor (nor a graph output the next replay rewrites)."""
+        return sample(self.forward(fb), params, generators)

@@ -18,7 +18,7 @@ class BatchKind(Enum):
 class Batch:
     kind: BatchKind
     reqs: list[Req]
-    forward: ForwardBatch  # what ``ModelRunner.forward`` runs; its logits go to ``Scheduler.postprocess``
+    forward: ForwardBatch  # what ``ModelRunner.forward_sample`` runs; its sampled tokens go to ``postprocess``
 
 
 def extend_batch(runner: ModelRunner, reqs: list[Req]) -> Batch:

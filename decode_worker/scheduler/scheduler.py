@@ -1,10 +1,11 @@
 """The continuous-batching scheduler: one for every role, driven by the server's event loop or, offline, by
 ``step_sync``.
 
-A step is ``schedule()`` -> the runner forwards each batch it yields -> ``postprocess(batch, logits)``. It begins
-with housekeeping (tear down aborted requests, apply finished copies, L3 lookahead, admission, requests whose
-KV landed), then runs the extend batch, then the decode batch. On the loop the forward runs on a dedicated
-thread, so HTTP and UCX progress never stall behind it.
+A step is ``schedule()`` -> the runner forwards and samples each batch it yields -> ``postprocess(batch,
+sampled)``. It begins with housekeeping (tear down aborted requests, apply finished copies, L3 lookahead,
+admission, requests whose KV landed), then runs the extend batch, then the decode batch. On the loop the forward
+and the sampling run on a dedicated thread, which waits for the GPU and hands back Python lists: HTTP and UCX
+progress never stall behind a step, and the loop never touches a step's device tensors.
 
 Where things live: the lifecycle states (``core/lifecycle.py``) and their queues (``queues.py``), admission
 (``admission.py``), a request's pages and what it waits for (``req.py``), and what the role changes: received
@@ -18,8 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.prefix_cache import PrefixCache
 from decode_worker.core.lifecycle import ReqState
@@ -27,7 +26,7 @@ from decode_worker.core.request import GenerateInput, RequestError, RequestStrea
 from decode_worker.core.sequence import Sequence, check_finish, check_fits
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
-from decode_worker.model.sampler import make_generator, sample
+from decode_worker.model.sampler import SampleResult, make_generator
 from decode_worker.scheduler.admission import Admission
 from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend_batch
 from decode_worker.scheduler.queues import Queues
@@ -158,13 +157,17 @@ class Scheduler:
             pass
 
     async def _step(self) -> bool:
-        """One step on the event loop, forwards on the forward thread; True when it ran a batch."""
+        """One step on the event loop, forwards and samples on the forward thread; True when it ran a batch."""
         loop, worked = asyncio.get_running_loop(), False
         for batch in self.schedule():
-            logits = await loop.run_in_executor(self._forward_thread, self.runner.forward, batch.forward)
-            self.postprocess(batch, logits)
+            self.postprocess(batch, await loop.run_in_executor(self._forward_thread, self._forward, batch))
             worked = True
         return worked
+
+    def _forward(self, batch: Batch) -> SampleResult:
+        """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
+        reqs = batch.reqs
+        return self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs], [r.seq.generator for r in reqs])
 
     def step_sync(self) -> bool:
         """One step on the calling thread, without an event loop (the offline ``LLM``; colocated only, since
@@ -173,7 +176,7 @@ class Scheduler:
         worked = False
         try:
             for batch in self.schedule():
-                self.postprocess(batch, self.runner.forward(batch.forward))
+                self.postprocess(batch, self._forward(batch))
                 worked = True
         except Exception:
             self._fail_all(RequestError("internal error in the scheduler", 500, "internal_error"))
@@ -192,16 +195,15 @@ class Scheduler:
         if self.queues.running and (batch := self._decode_batch()) is not None:
             yield batch
 
-    def postprocess(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Apply a batch's logits: its KV is computed (an extend's full pages join the tree at once), then
-        sample, emit and finish; an extended request decodes on, or is held for its decode peer. A request
-        aborted while its forward ran stays where it is, to be torn down at the next step."""
+    def postprocess(self, batch: Batch, result: SampleResult) -> None:
+        """Apply a batch's sampled tokens: its KV is computed (an extend's full pages join the tree at once),
+        then emit and finish; an extended request decodes on, or is held for its decode peer. A request aborted
+        while its forward ran stays where it is, to be torn down at the next step."""
         extend = batch.kind is BatchKind.EXTEND
         for req in batch.reqs:
             req.seq.num_computed = req.seq.num_tokens
             if extend and req.aborted is None:
                 req.cache_computed(self.cache, self.page_size)
-        result = sample(logits, [r.seq.params for r in batch.reqs], [r.seq.generator for r in batch.reqs])
         for req, token, logprob in zip(batch.reqs, result.token_ids, result.logprobs):
             if req.aborted is not None:
                 continue

@@ -1,25 +1,35 @@
-"""CUDA-graph decode replay equals the eager step (runs only where a GPU is present)."""
+"""Decode graphs: replay equals the eager step, and every tensor a captured step reads is the graph runner's own.
+
+On CPU the graphs are ``EagerGraph`` stand-ins (replay reruns the captured step on the captured tensors), which
+exercises buckets, padding and buffer ownership; the real CUDA graphs run where a GPU is present.
+"""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from decode_worker.cache.pool import PageAllocator
-from decode_worker.model.loader import load_model
+from decode_worker.model.cuda_graph import DecodeGraphs
+from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.loader import LoadedModel, load_model
 from decode_worker.model.runner import ModelRunner
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_graph_replay_matches_eager_decode(tiny_models):
-    loaded = load_model(tiny_models["llama"], device="cuda", tokenizer=False)
-    graphs = ModelRunner(loaded, max_total_tokens=4096, page_size=4, cuda_graph_max_bs=16)
-    eager = ModelRunner(loaded, max_total_tokens=4096, page_size=4)
-    assert graphs.graphs is not None and eager.graphs is None
+def churn_allocator(device: str) -> None:
+    """Allocate, fill and free many small index-sized tensors: the blocks a freed capture temporary would get."""
+    for n in range(1, 65):
+        junk = torch.full((n,), 10**6 + n, dtype=torch.int64, device=device)
+        junk.add_(1)
+
+
+def replay_matches_eager(graphs: ModelRunner, eager: ModelRunner, sizes: tuple[int, ...], device: str) -> None:
     rng = random.Random(0)
-    for bs in (1, 3, 8, 13):  # exact buckets and padded ones
+    for bs in sizes:  # exact buckets and padded ones
         prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 40))] for _ in range(bs)]
         outs = []
         for runner in (graphs, eager):
@@ -28,5 +38,48 @@ def test_graph_replay_matches_eager_decode(tiny_models):
             runner.forward(runner.build_batch(prompts, [0] * bs, pages))
             step = runner.build_batch([[p[-1]] for p in prompts], [len(p) for p in prompts], pages)
             assert step.is_decode
+            churn_allocator(device)
             outs.append(runner.forward(step).clone())
         assert (outs[0] - outs[1]).abs().max().item() < 1e-4, bs
+
+
+def cpu_runners(loaded: LoadedModel) -> tuple[ModelRunner, ModelRunner, list[ForwardBatch]]:
+    """A runner with CPU stand-in graphs, an eager one, and every batch the captured steps were called with."""
+    graphs, eager = (ModelRunner(loaded, max_total_tokens=4096, page_size=4) for _ in range(2))
+    model, seen = graphs.model, []
+
+    def spy(fb: ForwardBatch, pool) -> torch.Tensor:
+        seen.append(fb)
+        return model(fb, pool)
+
+    graphs.model = spy
+    graphs.graphs = DecodeGraphs(graphs, 16)
+    graphs.model = model
+    return graphs, eager, seen
+
+
+def test_captured_steps_read_only_the_graph_runners_buffers(tiny_models):
+    graphs, _, seen = cpu_runners(load_model(tiny_models["llama"], tokenizer=False))
+    owned = {t.untyped_storage().data_ptr() for t in graphs.graphs.buffers()}
+    assert {fb.batch_size for fb in seen} == set(graphs.graphs.buckets)
+    for fb in seen:
+        for field in dataclasses.fields(fb):
+            value = getattr(fb, field.name)
+            if isinstance(value, torch.Tensor):
+                assert value.untyped_storage().data_ptr() in owned, f"bs {fb.batch_size}: {field.name} is a temporary"
+    assert set(graphs.graphs.batches) == set(graphs.graphs.buckets)  # kept for the graphs' life
+
+
+def test_stand_in_replay_after_allocator_churn_matches_eager(tiny_models):
+    graphs, eager, _ = cpu_runners(load_model(tiny_models["llama"], tokenizer=False))
+    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_graph_replay_after_allocator_churn_matches_eager(tiny_models):
+    loaded = load_model(tiny_models["llama"], device="cuda", tokenizer=False)
+    graphs = ModelRunner(loaded, max_total_tokens=4096, page_size=4, cuda_graph_max_bs=16)
+    eager = ModelRunner(loaded, max_total_tokens=4096, page_size=4)
+    assert graphs.graphs is not None and eager.graphs is None
+    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cuda")

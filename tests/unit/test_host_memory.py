@@ -1,12 +1,17 @@
-"""PD staging buffers are zeroed, huge-page aligned, and on huge pages where Linux has them."""
+"""PD staging buffers are zeroed, huge-page aligned, and on huge pages where Linux has them; the L2 pool is
+page-locked in place, exactly the bytes its sizing counted."""
 from __future__ import annotations
 
 import gc
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from decode_worker.cache.pool import KVLayout
+from decode_worker.cache.sizing import host_pool_pages, make_host_pool
+from decode_worker.core import host_memory
 from decode_worker.core.host_memory import HUGE_PAGE, host_buffer
 from decode_worker.transfer.staging import StagingPool
 
@@ -52,3 +57,49 @@ def test_touched_memory_is_backed_by_huge_pages():
 def test_staging_blocks_use_it():
     with StagingPool().borrow((3 << 20,), torch.uint8) as staged:
         assert staged.data_ptr() % HUGE_PAGE == 0
+
+
+LAYOUT = KVLayout("test", num_layers=3, num_kv_heads=2, head_dim=24, page_size=16, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record cudaHostRegister / cudaHostUnregister instead of calling CUDA."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(host_memory, "_cuda_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(host_memory, "_cuda_host_unregister", lambda ptr: calls.append(("unregister", ptr)))
+    return calls
+
+
+def test_l2_pool_for_a_cuda_l1_is_registered_in_place_with_no_rounding(cuda_calls):
+    """The CUDA path allocates plainly and registers exactly the counted bytes (a pin_memory=True allocation
+    would round 100 pages, 921,600 bytes, up to 1 MiB; on a CPU-only build it cannot even be made)."""
+    pages = host_pool_pages(LAYOUT, 40, ratio=2.5, available_bytes=10**12)
+    cuda_l1 = SimpleNamespace(device=torch.device("cuda"))
+    pool = make_host_pool(LAYOUT, pages, cuda_l1, cuda_available=True)
+    counted = pages * LAYOUT.page_bytes
+    assert pool.buffer.untyped_storage().nbytes() == counted
+    assert cuda_calls == [("register", pool.buffer.data_ptr(), counted)]
+    ptr = pool.buffer.data_ptr()
+    del pool
+    gc.collect()
+    assert cuda_calls[-1] == ("unregister", ptr)
+
+
+def test_l2_pool_for_a_cpu_l1_is_plain_memory(cuda_calls):
+    pool = make_host_pool(LAYOUT, 7, SimpleNamespace(device=torch.device("cpu")), cuda_available=True)
+    assert pool.buffer.untyped_storage().nbytes() == 7 * LAYOUT.page_bytes and not cuda_calls
+
+
+def test_pin_in_place_does_nothing_without_cuda(cuda_calls):
+    assert not host_memory.pin_in_place(torch.zeros(8), owner=SimpleNamespace(), cuda_available=False)
+    assert not cuda_calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_registered_l2_pool_is_pinned_on_cuda():
+    from decode_worker.cache.pool import KVPool
+
+    pool = make_host_pool(LAYOUT, 100, KVPool(LAYOUT, 4, device="cuda"))
+    assert pool.buffer.is_pinned() and pool.buffer.untyped_storage().nbytes() == 100 * LAYOUT.page_bytes

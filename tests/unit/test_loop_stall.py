@@ -1,0 +1,66 @@
+"""The event-loop thread never waits for a step: the forward thread forwards, waits for the device and samples.
+
+On a GPU the host waits for a step where the sampler reads tokens back (``.tolist()``). Here a sampler that
+sleeps stands in for that wait; a probe on the loop measures its longest stall while requests run.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.model import runner as runner_module
+from decode_worker.model.sampler import sample
+from tests.unit.test_scheduler import make_scheduler, run_all
+
+STEP_S = 0.3  # the device time of one step, as the sampler's wait sees it
+PARAMS = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+def waiting_sample(*args, **kwargs):
+    time.sleep(STEP_S)  # the read-back that waits for the device
+    return sample(*args, **kwargs)
+
+
+async def longest_stall(work) -> float:
+    """Run ``work`` while a probe ticks every millisecond on the loop; the worst delay of a tick, in seconds."""
+    worst, done = 0.0, False
+
+    async def probe() -> None:
+        nonlocal worst
+        while not done:
+            start = time.monotonic()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.monotonic() - start - 0.001)
+
+    ticker = asyncio.ensure_future(probe())
+    try:
+        result = await work
+    finally:
+        done = True
+        await ticker
+    return worst, result
+
+
+def test_loop_never_blocks_on_a_step(tiny_models, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(runner_module, "sample", waiting_sample)
+    scheduler = make_scheduler(tiny_models["llama"], 4096)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    started = time.monotonic()
+    stall, outputs = asyncio.run(longest_stall(run_all(scheduler, prompts, PARAMS)))
+    elapsed = time.monotonic() - started
+    print(f"longest loop stall {stall * 1000:.1f} ms over {elapsed:.2f} s of {STEP_S * 1000:.0f} ms steps")
+    assert all(len(o) == PARAMS.max_new_tokens for o in outputs)
+    assert elapsed >= 4 * STEP_S  # the steps really waited
+    assert stall < STEP_S / 2, f"the loop stalled {stall * 1000:.0f} ms: it waited for a step"
+
+
+def test_forward_sample_hands_back_python_lists(tiny_models):
+    """What crosses back to the loop holds no tensor: nothing there can wait for the device."""
+    scheduler = make_scheduler(tiny_models["llama"], 4096)
+    runner = scheduler.runner
+    fb = runner.build_batch([[1, 2, 3], [4, 5]], [0, 0], [[1], [2]])
+    result = runner.forward_sample(fb, [PARAMS, PARAMS], [None, None])
+    assert all(type(t) is int for t in result.token_ids) and all(type(p) is float for p in result.logprobs)
