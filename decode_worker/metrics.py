@@ -16,6 +16,8 @@ PREFIX = "decode_worker_"
 TIERS = ("device", "host", "storage")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TRANSFER_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # a 16 MB delta lands in ~3 ms over shared memory
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
 
 
 def cache_families(stats: CacheStats) -> dict:
@@ -70,8 +72,24 @@ class _LiveCollector:
         yield GaugeMetricFamily(PREFIX + "running_requests", "Requests in the decode batch", value=queues.get("running", 0))
 
 
+class _ModelLabelled:
+    """The registry's families with a ``model_name`` label on every series, as vLLM and SGLang export it, so a
+    dashboard over several models can tell them apart; one place instead of a label at every call site."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str]):
+        self.registry = registry
+        self.model_name = model_name
+
+    def collect(self):
+        name = self.model_name()
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={"model_name": name, **s.labels}) for s in family.samples]
+            yield family
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # set once the model is known; labels every series
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
@@ -85,11 +103,25 @@ class Metrics:
         self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "PD: prefill accepted the handshake until the delta KV "
                                      "is in the request's pages (prefill's compute is not in it)",
                                      buckets=_TRANSFER_BUCKETS, registry=r)
+        self.output_tokens = Counter(PREFIX + "output_tokens", "Tokens generated (prefill's first token included)",
+                                     registry=r)
+        self.inter_token = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's consecutive "
+                                     "output tokens (TPOT)", buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Submission to last token of a request "
+                                     "that finished", buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "queue_time_seconds", "Submission to admission (L1 pages and a batch "
+                                    "slot granted), first admission only", buckets=_REQUEST_BUCKETS, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Requests that finished, by finish reason "
+                                       "(stop, length)", ["finish_reason"], registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)  # export zeros so hit-rate queries have every series from the start
 
     def watch(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]) -> None:
         self.registry.register(_LiveCollector(cache_stats, queue_stats))
 
+    def collect(self):
+        """Every family, each series labelled with the model's name."""
+        return _ModelLabelled(self.registry, lambda: self.model_name).collect()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_ModelLabelled(self.registry, lambda: self.model_name))

@@ -99,6 +99,7 @@ class Engine:
             self.handoff.scheduler = self.scheduler
             self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
         self.metrics.watch(lambda: cache_families(self.cache.stats()), self.scheduler.queue_stats)
+        self.metrics.model_name = self.model_name
         self.scheduler.start()
         self.ready, self.not_ready_reason = True, ""
 

@@ -94,6 +94,8 @@ class Admission:
         if not seq.output_ids:  # report only the first admission, not a resumption
             self._count_hits(req)
         req.transfer = KVTransfer(time.monotonic())
+        if not req.seq.output_ids and req.retries == 0:  # its first admission, not a resumption or a retry
+            self.metrics.queue_time.observe(req.transfer.since - req.stream.created_at)
         if receives:
             task = asyncio.get_running_loop().create_task(self.source.receive(req, req.handle.delta_pages))
             task.add_done_callback(lambda _: self.wakeup.set())

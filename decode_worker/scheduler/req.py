@@ -46,6 +46,7 @@ class Req:
     fetch: StorageFetch | None = None  # the L3 lookahead's lookup, prefetch and the span it attached
     aborted: RequestError | None = None  # why it must end; it is torn down (ABORTED) at the next safe point
     first_token_sent: bool = False
+    last_token_at: float = 0.0  # monotonic time of its last output token (inter-token latency)
     retries: int = 0  # failed load-backs so far
 
     @property

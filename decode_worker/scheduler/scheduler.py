@@ -32,6 +32,7 @@ from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.roles import COLOCATED, PromptDone, PromptSource
+from decode_worker.scheduler.telemetry import record_close, record_token
 
 log = logging.getLogger(__name__)
 S = ReqState
@@ -272,9 +273,7 @@ class Scheduler:
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         check_finish(seq, self.eos_token_ids, self.runner.config.max_context, self.decode_text)
-        if not req.first_token_sent:
-            req.first_token_sent = True
-            self.metrics.ttft.observe(time.monotonic() - req.stream.created_at)
+        record_token(self.metrics, req)
         req.stream.queue.put_nowait(TokenEvent([token], [logprob], finish_reason=seq.finish_reason,
                                                cached_tokens=req.cached_tokens))
 
@@ -363,7 +362,7 @@ class Scheduler:
         for req in list(self.requests.values()):
             try:
                 self._fail(req, error)
-            except Exception:  # noqa: BLE001 - the state is already broken: answer the client at least
+            except Exception:  # the state is already broken: answer the client at least
                 log.exception("failing %s", req.rid)
                 req.stream.queue.put_nowait(TokenEvent([], [], None, error=error))
                 self._close(req, "error")
@@ -385,7 +384,7 @@ class Scheduler:
 
     def _close(self, req: Req, outcome: str) -> None:
         self.requests.pop(req.rid, None)
-        self.metrics.requests.labels(outcome).inc()
+        record_close(self.metrics, req, outcome)
         req.stream.queue.put_nowait(None)
 
     def _reap_aborted(self) -> None:

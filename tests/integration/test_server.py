@@ -263,3 +263,23 @@ def test_abort_request_ends_a_live_stream_and_get_version_answers(server):
     assert post(server, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 0}
     assert httpx.get(server.url + "/get_version").json()["version"]
     wait_pages_free(server)
+
+
+def test_request_metrics_users_chart_carry_the_model_name(server):
+    before = {name: server.metric(name, default=0) for name in (
+        "decode_worker_output_tokens_total", "decode_worker_e2e_request_latency_seconds_count",
+        "decode_worker_inter_token_latency_seconds_count", "decode_worker_queue_time_seconds_count")}
+    success = server.metric("decode_worker_request_success_total", finish_reason="length", default=0)
+    out = post(server, "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
+    assert out.status_code == 200
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    after = {name: server.metric(name, model_name=model) for name in before}
+    assert after["decode_worker_output_tokens_total"] - before["decode_worker_output_tokens_total"] == 5
+    assert after["decode_worker_inter_token_latency_seconds_count"] - before["decode_worker_inter_token_latency_seconds_count"] == 4
+    for name in ("decode_worker_e2e_request_latency_seconds_count", "decode_worker_queue_time_seconds_count"):
+        assert after[name] - before[name] == 1, name
+    assert server.metric("decode_worker_request_success_total", finish_reason="length") - success == 1
+    text = httpx.get(server.url + "/metrics").text
+    assert all(f'model_name="{model}"' in line for line in text.splitlines()
+               if line.startswith("decode_worker_") and "{" in line)
+    wait_pages_free(server)

@@ -68,8 +68,9 @@ def exported_series() -> tuple[set[str], set[str]]:
     )
     metrics.requests.labels("ok").inc()
     metrics.transfer_failures.labels("timeout").inc()
+    metrics.request_success.labels("stop").inc()
     names, labels = set(), set()
-    for family in metrics.registry.collect():
+    for family in metrics.collect():
         for sample in family.samples:
             names.add(sample.name)
             labels.update(sample.labels)
@@ -440,6 +441,17 @@ def test_promtool_check_rules():
 
 def test_promtool_rule_unit_tests():
     run([tool("promtool"), "test", "rules", "rules_test.yaml"], RULES.parent)
+
+
+def test_promtool_check_metrics_on_what_the_worker_renders():
+    metrics = Metrics("smollm2")
+    metrics.watch(lambda: {"pages": {"device": {"free": 1, "used": 2}}, "evicted_tokens": {"device": 1}},
+                  lambda: {"queues": {"prealloc": 1}, "running": 1})
+    metrics.request_success.labels("stop").inc()
+    metrics.inter_token.observe(0.02)
+    result = subprocess.run([tool("promtool"), "check", "metrics"], input=metrics.render(), capture_output=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
 def test_promtool_check_compose_prometheus_config(tmp_path):

@@ -1,0 +1,29 @@
+"""What the scheduler reports of each request as it goes: time to first token, time between tokens, tokens out,
+and, for one that finished, its whole latency and finish reason (``metrics.py`` declares the families)."""
+from __future__ import annotations
+
+import time
+
+from decode_worker.metrics import Metrics
+from decode_worker.scheduler.req import Req
+
+
+def record_token(metrics: Metrics, req: Req) -> None:
+    """A token was emitted for ``req``."""
+    now = time.monotonic()
+    if req.first_token_sent:
+        metrics.inter_token.observe(now - req.last_token_at)
+    else:
+        req.first_token_sent = True
+        metrics.ttft.observe(now - req.stream.created_at)
+    req.last_token_at = now
+    metrics.output_tokens.inc()
+
+
+def record_close(metrics: Metrics, req: Req, outcome: str) -> None:
+    """``req`` was answered: ``ok`` (finished, or held for its decode peer, which reads as a length finish), or
+    an error."""
+    metrics.requests.labels(outcome).inc()
+    if outcome == "ok":
+        metrics.e2e_latency.observe(time.monotonic() - req.stream.created_at)
+        metrics.request_success.labels((req.seq.finish_reason or {"type": "length"})["type"]).inc()
