@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from decode_worker.config import ServerConfig, package_version
 from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.summary import mask_url, startup_summary
 from decode_worker.engine.wiring import open_storage
 from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
@@ -71,6 +71,7 @@ class Engine:
             storage_backup_policy=(StorageBackup.HIT_TWICE if write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
                                    else StorageBackup.ALL),
         )
+        log.info(startup_summary(cfg, self.runner, self.model_path, host_pool.num_pages if host_pool else 0))
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
@@ -187,7 +188,7 @@ class Engine:
         cfg = self.config
         info = {k: v for k, v in vars(cfg).items() if k not in SECRETS}
         if cfg.hicache_storage_url:  # a redis://user:password@host URL must not leak through the API
-            info["hicache_storage_url"] = re.sub(r"//[^@/]*@", "//***@", cfg.hicache_storage_url)
+            info["hicache_storage_url"] = mask_url(cfg.hicache_storage_url)
         info.update(served_model_name=self.model_name, model_path=self.model_path, version=package_version(), ready=self.ready)
         if self.runner is not None:
             info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),

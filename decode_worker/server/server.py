@@ -13,6 +13,17 @@ from decode_worker.engine.engine import Engine
 from decode_worker.server.app import create_app
 
 log = logging.getLogger("decode_worker")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PROBES = frozenset({"/health", "/health_generate", "/metrics"})
+
+
+class QuietProbes(logging.Filter):
+    """Probes and scrapes come every few seconds and would drown the access log: they show at debug only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        probe = len(args) >= 3 and str(args[2]).split("?")[0] in PROBES
+        return not probe or logging.getLogger("uvicorn.access").isEnabledFor(logging.DEBUG)
 
 
 def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
@@ -39,7 +50,9 @@ def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
 
 
 def serve(config: ServerConfig) -> None:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     app, _ = build_app(config)
+    # log_config=None: uvicorn's loggers go through the root handler above, so every line has one format.
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
-                timeout_graceful_shutdown=15)
+                log_config=None, timeout_graceful_shutdown=15)

@@ -283,3 +283,16 @@ def test_request_metrics_users_chart_carry_the_model_name(server):
     assert all(f'model_name="{model}"' in line for line in text.splitlines()
                if line.startswith("decode_worker_") and "{" in line)
     wait_pages_free(server)
+
+
+def test_startup_line_says_what_runs_and_probes_stay_out_of_the_access_log(server):
+    for path in ("/health", "/metrics", "/v1/models", "/health"):
+        httpx.get(server.url + path, timeout=10)
+    log = server.log.read_text(errors="replace")
+    start = next(line for line in log.splitlines() if "starting: role colocated" in line)
+    for part in ("model ", "dtype float32", "device cpu", "L1 4096 tokens (", "L2 off", "L3 off", "http 127.0.0.1:"):
+        assert part in start, (part, start)
+    assert '"GET /v1/models HTTP/1.1" 200' in log
+    assert '"GET /health HTTP' not in log and '"GET /metrics HTTP' not in log
+    access = [line for line in log.splitlines() if "uvicorn.access" in line]
+    assert access and all(" INFO uvicorn.access: " in line for line in access), access[:3]

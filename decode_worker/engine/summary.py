@@ -1,0 +1,33 @@
+"""The start-up line an operator reads first: what runs, where, and how much KV each tier holds."""
+from __future__ import annotations
+
+import re
+
+from decode_worker.config import ServerConfig
+from decode_worker.model.runner import ModelRunner
+
+
+def mask_url(url: str) -> str:
+    """A ``redis://user:password@host`` URL with its credentials starred out, for logs and /server_info."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def startup_summary(cfg: ServerConfig, runner: ModelRunner, model_path: str, host_pages: int) -> str:
+    """Role, model, dtype and device, L1 and L2 in tokens and GB, the L3 backend, and the ports peers use."""
+    page_bytes, ps = runner.layout.page_bytes, cfg.page_size
+    l1_pages = runner.num_pages - 1  # page 0 is scratch
+    parts = [f"role {cfg.role}", f"model {model_path}", f"dtype {runner.dtype}".replace("torch.", ""),
+             f"device {runner.device}", f"L1 {l1_pages * ps} tokens ({l1_pages * page_bytes / 1e9:.2f} GB)",
+             f"L2 {host_pages * ps} tokens ({host_pages * page_bytes / 1e9:.2f} GB)" if host_pages else "L2 off",
+             _storage(cfg), f"http {cfg.host}:{cfg.port}"]
+    if cfg.role == "decode":
+        parts.append(f"ucx {cfg.ucx_host}:{cfg.ucx_port or 'any'}")
+    if cfg.bootstrap_port is not None:
+        parts.append(f"bootstrap port {cfg.bootstrap_port}")
+    return "starting: " + ", ".join(parts)
+
+
+def _storage(cfg: ServerConfig) -> str:
+    if cfg.hicache_storage_backend == "none":
+        return "L3 off"
+    return f"L3 {cfg.hicache_storage_backend} {mask_url(cfg.hicache_storage_url or '(default folder)')}"
