@@ -44,6 +44,7 @@ class TokenEvent:
     finish_reason: dict | None = None
     error: RequestError | None = None
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
 
 
 @dataclass

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # a temperature this close to 0 is greedy: dividing logits by it would overflow them into NaN
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI caps them
 
 
 @dataclass
@@ -17,6 +18,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # subtracted per earlier occurrence of a token in the output
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    repetition_penalty: float = 1.0  # divides (positive) or multiplies (negative) logits of tokens seen so far
+    min_new_tokens: int = 0  # end-of-sequence and stop tokens are masked, and stop strings ignored, until then
+    top_logprobs: int = 0  # the most likely alternatives reported with each token
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether sampling must adjust this request's logits before it picks."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.min_new_tokens)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -28,6 +41,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -63,6 +63,8 @@ def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int
     """Set ``seq.finish_reason`` after a new token, in SGLang's shape ({type, matched} / {type, length})."""
     token = seq.output_ids[-1]
     p = seq.params
+    if len(seq.output_ids) < p.min_new_tokens and seq.num_tokens < max_context:
+        return  # too early to stop (min_new_tokens <= max_new_tokens): stop tokens were masked, stop strings wait
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         seq.finish_reason = {"type": "stop", "matched": token}
     elif p.stop and (matched := _stop_string(p.stop, decode_text(seq.output_ids[-(max(map(len, p.stop)) + 8):]))):

@@ -7,7 +7,7 @@ from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel
-from decode_worker.model.sampler import SampleResult, sample
+from decode_worker.model.sampler import SampleResult, Shaping, sample
 
 
 class ModelRunner:
@@ -45,8 +45,8 @@ class ModelRunner:
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)
 
-    def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams],
-                       generators: list[torch.Generator | None]) -> SampleResult:
+    def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
+                       shaping: list[Shaping | None] | None = None) -> SampleResult:
         """Forward and sample on the calling thread, which waits for the device in the sampler's ``.tolist()``:
         the caller gets Python lists, never a device tensor (nor a graph output the next replay rewrites)."""
-        return sample(self.forward(fb), params, generators)
+        return sample(self.forward(fb), params, generators, shaping)

@@ -168,7 +168,8 @@ class Scheduler:
     def _forward(self, batch: Batch) -> SampleResult:
         """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
         reqs = batch.reqs
-        return self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs], [r.seq.generator for r in reqs])
+        return self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs], [r.seq.generator for r in reqs],
+                                          batch.shaping)
 
     def step_sync(self) -> bool:
         """One step on the calling thread, without an event loop (the offline ``LLM``; colocated only, since
@@ -205,10 +206,10 @@ class Scheduler:
             req.seq.num_computed = req.seq.num_tokens
             if extend and req.aborted is None:
                 req.cache_computed(self.cache, self.page_size)
-        for req, token, logprob in zip(batch.reqs, result.token_ids, result.logprobs):
+        for req, token, logprob, top in zip(batch.reqs, result.token_ids, result.logprobs, result.top_logprobs):
             if req.aborted is not None:
                 continue
-            self._emit(req, token, logprob)
+            self._emit(req, token, logprob, top)
             if req.seq.finished:
                 self._finish(req)
             elif extend and self.done.hold(req):
@@ -232,7 +233,7 @@ class Scheduler:
                 break
             budget -= new
             reqs.append(req)
-        return extend_batch(self.runner, reqs)
+        return extend_batch(self.runner, reqs, self.eos_token_ids)
 
     def _decode_batch(self) -> Batch | None:
         """The running requests that got the page their next token needs; None when none did."""
@@ -241,7 +242,7 @@ class Scheduler:
             if req.state is S.RUNNING and self._grow(req):
                 ready.add(req)
         reqs = [r for r in self.queues.running if r in ready]
-        return decode_batch(self.runner, reqs) if reqs else None
+        return decode_batch(self.runner, reqs, self.eos_token_ids) if reqs else None
 
     def _grow(self, req: Req) -> bool:
         """Give ``req`` the page its next token needs; retract the least advanced request when L1 is full.
@@ -268,14 +269,14 @@ class Scheduler:
         self.metrics.retractions.inc()
         log.info("retracted %s after %d tokens: L1 is full", req.rid, len(req.seq.output_ids))
 
-    def _emit(self, req: Req, token: int, logprob: float) -> None:
+    def _emit(self, req: Req, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         seq = req.seq
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         check_finish(seq, self.eos_token_ids, self.runner.config.max_context, self.decode_text)
         record_token(self.metrics, req)
         req.stream.queue.put_nowait(TokenEvent([token], [logprob], finish_reason=seq.finish_reason,
-                                               cached_tokens=req.cached_tokens))
+                                               cached_tokens=req.cached_tokens, top_logprobs=[top or []]))
 
     # ---- loading ----------------------------------------------------------------------------------------------
 

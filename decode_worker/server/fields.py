@@ -41,29 +41,26 @@ def _text_format(v: Any) -> bool:
 GENERATE: dict[str, tuple[Neutral, str]] = {
     "input_embeds": (ABSENT, "input embeddings"), "image_data": (ABSENT, "image inputs (a text-only model)"),
     "audio_data": (ABSENT, "audio inputs (a text-only model)"), "video_data": (ABSENT, "video inputs"),
-    "logprob_start_len": (_among(None, -1), "input logprobs"), "top_logprobs_num": (ZERO, "top-k logprobs"),
+    "logprob_start_len": (_among(None, -1), "input logprobs"),
     "token_ids_logprob": (ABSENT, "logprobs of chosen token ids"),
     "return_text_in_logprobs": (FALSE, "text in logprobs"), "lora_path": (ABSENT, "LoRA adapters"),
     "custom_logit_processor": (ABSENT, "custom logit processors"), "return_hidden_states": (FALSE, "hidden states"),
 }
 SAMPLING: dict[str, tuple[Neutral, str]] = {
-    "min_p": (ZERO, "min-p sampling"), "frequency_penalty": (ZERO, "penalties"),
-    "presence_penalty": (ZERO, "penalties"), "repetition_penalty": (ONE, "penalties"),
-    "min_new_tokens": (ZERO, "a minimum output length"), "json_schema": (ABSENT, "constrained decoding"),
+    "min_p": (ZERO, "min-p sampling"), "json_schema": (ABSENT, "constrained decoding"),
     "regex": (ABSENT, "constrained decoding"), "ebnf": (ABSENT, "constrained decoding"),
     "structural_tag": (ABSENT, "constrained decoding"),
-    "skip_special_tokens": (TRUE, "keeping special tokens in the text"),
     "spaces_between_special_tokens": (TRUE, "detokenizer options"), "no_stop_trim": (FALSE, "untrimmed stop strings"),
     "custom_params": (ABSENT, "custom logit processors"), "logit_bias": (EMPTY, "logit bias"),
 }
-# Documented by OpenAI and not honoured here (echo and logprobs are refused by the routes themselves).
+# Documented by OpenAI and not honoured here.
 OPENAI: dict[str, tuple[Neutral, str]] = {
-    "best_of": (ONE, "best_of"), "frequency_penalty": (ZERO, "penalties"), "presence_penalty": (ZERO, "penalties"),
+    "best_of": (ONE, "best_of"),
     "logit_bias": (EMPTY, "logit bias"), "suffix": (EMPTY, "suffixes"),
     "tools": (EMPTY, "tool calls"), "functions": (EMPTY, "function calls"),
     "tool_choice": (_among(None, "none", "auto"), "tool calls"),
     "function_call": (_among(None, "none", "auto"), "function calls"),
-    "response_format": (_text_format, "structured output"), "top_logprobs": (ZERO, "top logprobs"),
+    "response_format": (_text_format, "structured output"),
     "audio": (ABSENT, "audio output"), "modalities": (_among(None, ["text"]), "non-text output"),
     "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
     "store": (FALSE, "stored completions"), "web_search_options": (ABSENT, "web search"),

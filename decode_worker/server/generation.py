@@ -25,6 +25,7 @@ class Collected:
         self.prompt_tokens = len(inp.prompt_ids)
         self.stream_text = IncrementalText(decode)
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per token, when the request asked for them
         self.finish_reason: dict | None = None
         self.cached: dict[str, int] = {}
         self.started = time.monotonic()
@@ -35,6 +36,7 @@ class Collected:
             raise event.error
         self.stream_text.add(event.token_ids)
         self.logprobs += event.logprobs
+        self.top_logprobs += event.top_logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
         self.cached = event.cached_tokens or self.cached
         self.e2e_latency = time.monotonic() - self.started
@@ -59,11 +61,14 @@ def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
     """Check every prompt before any runs: a body with one prompt that cannot be served is refused whole, with
     its HTTP status, before a stream has sent a status line."""
     for inp in inputs:
+        if inp.bootstrap is not None and inp.params.top_logprobs:
+            raise RequestError("top logprobs cannot go through a PD pair: prefill's first token carries none")
         engine.check_request(inp)
 
 
 async def _start(engine: Engine, inp: GenerateInput) -> tuple[RequestStream, Collected]:
-    return await engine.submit(inp), Collected(inp, engine.tokenizer.decode)
+    skip = inp.params.skip_special_tokens
+    return await engine.submit(inp), Collected(inp, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=skip))
 
 
 async def _drain(stream: RequestStream, c: Collected) -> Collected:

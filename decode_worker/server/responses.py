@@ -35,6 +35,7 @@ class GenerateMeta(BaseModel):
     cached_tokens_details: CachedTokens
     e2e_latency: float  # seconds from submission to the answer's last token
     output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[list[Any]]] | None = None  # per token: its top_logprobs_num [logprob, id, null]
 
 
 class GenerateResponse(BaseModel):
@@ -53,11 +54,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None  # null unless logprobs > 0
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None  # with logprobs (0 for the chosen tokens only)
 
 
 class CompletionResponse(BaseModel):
@@ -74,11 +82,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None
+    logprobs: ChatLogprobs | None  # with logprobs: true
 
 
 class PromptTokensDetails(BaseModel):
@@ -170,7 +192,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -19,6 +19,7 @@ from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave
 from decode_worker.server.inputs import BOOTSTRAP, bootstrap, fan_out, per_prompt, stop_list
+from decode_worker.server.openai_logprobs import chat_logprobs, completion_logprobs
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import (
     ChatCompletionChunk,
@@ -61,7 +62,9 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
     if body.stream:
         return sse_response(_completion_chunks(engine, inputs, body, created, model))
     results = await collect(engine, request, inputs)
-    choices = [{"index": i, "text": c.text(), "finish_reason": _finish(c), "logprobs": None}
+    echo = _echoes(body, inputs, engine)
+    choices = [{"index": i, "text": echo[i] + c.text(), "finish_reason": _finish(c),
+                "logprobs": _completion_lp(engine, body, c.ids, c.logprobs, c.top_logprobs, len(echo[i]))}
                for i, c in enumerate(results)]
     return {**_envelope(inputs[0].rid, "text_completion", created, model, choices),
             "usage": _usage(results, body.n)}
@@ -73,7 +76,9 @@ def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[Generate
     batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
     prompts = body.prompt if batch else [body.prompt]
     per_prompt(body, BOOTSTRAP, len(prompts))
-    params = _sampling(body, body.max_tokens)
+    if body.echo and body.logprobs is not None:
+        raise RequestError("echo with logprobs needs the prompt's logprobs, which this worker does not compute")
+    params = _sampling(body, body.max_tokens, body.logprobs or 0)
     inputs = []
     for i, p in enumerate(prompts):
         prompt = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
@@ -87,12 +92,17 @@ async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: 
     """All choices stream at once, each chunk naming its choice's index; with ``include_usage`` a last chunk
     carries the usage."""
     sent, last = [""] * len(inputs), [None] * len(inputs)
+    for index, echo in enumerate(_echoes(body, inputs, engine)):
+        if echo:
+            choice = {"index": index, "text": echo, "finish_reason": None, "logprobs": None}
+            yield _envelope(inputs[index].rid, "text_completion", created, model, [choice])
     async for index, c, event in interleave(engine, inputs):
         delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
+        lp = _completion_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs, len(sent[index]))
         sent[index] += delta
         last[index] = c
         choice = {"index": index, "text": delta, "finish_reason": _finish(c) if event.finish_reason else None,
-                  "logprobs": None}
+                  "logprobs": lp}
         yield _envelope(inputs[index].rid, "text_completion", created, model, [choice])
     if _include_usage(body):
         yield {**_envelope(inputs[0].rid, "text_completion", created, model, []), "usage": _usage(last, body.n)}
@@ -108,7 +118,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
         return sse_response(_chat_chunks(engine, inputs, body, created, model))
     results = await collect(engine, request, inputs)
     choices = [{"index": j, "message": {"role": "assistant", "content": c.text()}, "finish_reason": _finish(c),
-                "logprobs": None} for j, c in enumerate(results)]
+                "logprobs": _chat_lp(engine, body, c.ids, c.logprobs, c.top_logprobs)} for j, c in enumerate(results)]
     return {**_envelope(inputs[0].rid, "chat.completion", created, model, choices), "usage": _usage(results, body.n)}
 
 
@@ -121,7 +131,10 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine) -> GenerateInput:
         raise RequestError(str(e)) from e
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
-    return GenerateInput(rid, prompt, _sampling(body, max_tokens), False, bootstrap(body, 0, engine.config))
+    if body.top_logprobs and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true")
+    params = _sampling(body, max_tokens, body.top_logprobs or 0)
+    return GenerateInput(rid, prompt, params, False, bootstrap(body, 0, engine.config))
 
 
 def _message_text(content: str | list[ContentPart] | None) -> str | None:
@@ -140,8 +153,8 @@ async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCo
     """Each choice's assistant role first, then content deltas as they come, then an empty delta with its finish
     reason; with ``include_usage`` a last chunk carries the usage."""
 
-    def chunk(index: int, delta: dict, reason: str | None) -> dict:
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+    def chunk(index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         return _envelope(inputs[0].rid, "chat.completion.chunk", created, model, [choice])
 
     for index in range(len(inputs)):
@@ -151,8 +164,9 @@ async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCo
         delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
         sent[index] += delta
         last[index] = c
-        if delta:
-            yield chunk(index, {"content": delta}, None)
+        if delta or body.logprobs:
+            lp = _chat_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs)
+            yield chunk(index, {"content": delta}, None, lp)
         if event.finish_reason:
             yield chunk(index, {}, _finish(c))
     if _include_usage(body):
@@ -166,12 +180,38 @@ async def models(engine: EngineDep) -> dict:
     return {"object": "list", "data": [card]}
 
 
-def _sampling(body: OpenAISampling, max_tokens: int) -> SamplingParams:
-    if getattr(body, "echo", False) or getattr(body, "logprobs", None):
-        raise RequestError("echo and logprobs are not supported on the OpenAI routes; use /generate with return_logprob")
+def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=body.seed, stop=stop_list(body.stop),
-                          stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+                          stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                          frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                          top_logprobs=top_logprobs)
+
+
+def _echoes(body: CompletionRequest, inputs: list[GenerateInput], engine: Engine) -> list[str]:
+    """Each choice's prompt as the caller sent it (token ids decoded) when ``echo`` asks for it, else ''."""
+    if not body.echo:
+        return [""] * len(inputs)
+    batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+    prompts = body.prompt if batch else [body.prompt]
+    texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
+    return [texts[i // body.n] for i in range(len(inputs))]
+
+
+def _completion_lp(engine: Engine, body: CompletionRequest, ids: list[int], logprobs: list[float],
+                   top: list[list[tuple[int, float]]], offset: int) -> dict | None:
+    if body.logprobs is None:
+        return None
+    return completion_logprobs(_token_text(engine), ids, logprobs, top, body.logprobs, offset)
+
+
+def _chat_lp(engine: Engine, body: ChatCompletionRequest, ids: list[int], logprobs: list[float],
+             top: list[list[tuple[int, float]]]) -> dict | None:
+    return chat_logprobs(_token_text(engine), ids, logprobs, top) if body.logprobs else None
+
+
+def _token_text(engine: Engine):
+    return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _new_text(text: str, sent: str, finished: bool) -> str:

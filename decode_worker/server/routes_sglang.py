@@ -53,22 +53,26 @@ def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[Genera
     texts = body.text if isinstance(body.text, list) else [body.text]
     ids = body.input_ids if batched and body.input_ids else [body.input_ids]
     n = len(texts) if body.text is not None else len(ids)
-    per_prompt(body, BOOTSTRAP + ("sampling_params", "rid", "return_logprob"), n)
+    per_prompt(body, BOOTSTRAP + ("sampling_params", "rid", "return_logprob", "top_logprobs_num"), n)
     inputs = []
     for i in range(n):
         sp = pick(body.sampling_params, i) or SGLangSamplingParams()
         rid = pick(body.rid, i) or uuid.uuid4().hex
         prompt = encode(engine.tokenizer, texts[i] if body.text is not None else None,
                         ids[i] if body.text is None else None)
-        inputs += fan_out(GenerateInput(rid, prompt, _sampling(sp), bool(pick(body.return_logprob, i)),
-                                        bootstrap(body, i, engine.config)), sp.n)
+        logprob = bool(pick(body.return_logprob, i))
+        params = _sampling(sp, pick(body.top_logprobs_num, i) if logprob else 0)
+        inputs += fan_out(GenerateInput(rid, prompt, params, logprob, bootstrap(body, i, engine.config)), sp.n)
     return inputs
 
 
-def _sampling(p: SGLangSamplingParams) -> SamplingParams:
+def _sampling(p: SGLangSamplingParams, top_logprobs: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                           top_k=p.top_k, seed=p.seed, stop=stop_list(p.stop),
-                          stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos)
+                          stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos,
+                          frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                          repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_new_tokens,
+                          top_logprobs=top_logprobs, skip_special_tokens=p.skip_special_tokens)
 
 
 async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool) -> AsyncIterator[dict]:
@@ -82,10 +86,10 @@ async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool) ->
 
 
 def _answer(c: Collected, inp: GenerateInput) -> dict:
-    return {"text": c.text(), "output_ids": c.ids, "meta_info": _meta_info(c, inp.return_logprob)}
+    return {"text": c.text(), "output_ids": c.ids, "meta_info": _meta_info(c, inp)}
 
 
-def _meta_info(c: Collected, return_logprob: bool) -> dict:
+def _meta_info(c: Collected, inp: GenerateInput) -> dict:
     meta = {
         "id": c.rid,
         "finish_reason": c.finish_reason,
@@ -95,6 +99,8 @@ def _meta_info(c: Collected, return_logprob: bool) -> dict:
         "cached_tokens_details": {t: c.cached.get(t, 0) for t in ("device", "host", "storage")},
         "e2e_latency": round(c.e2e_latency, 6),
     }
-    if return_logprob:
+    if inp.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.ids)]
+    if inp.params.top_logprobs:
+        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]
     return meta

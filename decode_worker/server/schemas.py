@@ -42,6 +42,9 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1)]
 SamplesPerPrompt = Annotated[int, Field(ge=1, le=64)]  # each sample is a request of its own
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence, as OpenAI bounds them
+RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a torch generator can be seeded with
 # A prompt is never empty, nor is a batch of them.
 Text = Annotated[str, Field(min_length=1)]
@@ -72,6 +75,11 @@ class SGLangSamplingParams(_Lenient):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: SamplesPerPrompt = 1
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: bool = True
     seed: Seed | None = Field(default=None, alias="sampling_seed")
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
@@ -84,6 +92,7 @@ class GenerateRequest(BootstrapFields):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
+    top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0  # alternatives per output token, with return_logprob
 
 
 class StreamOptions(_Lenient):
@@ -98,6 +107,8 @@ class OpenAISampling(BootstrapFields):
     top_p: TopP = 1.0
     top_k: TopK = -1
     n: SamplesPerPrompt = 1
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -110,7 +121,7 @@ class OpenAISampling(BootstrapFields):
 class CompletionRequest(OpenAISampling):
     prompt: Text | Texts | TokenIds | TokenIdBatch
     max_tokens: MaxTokens = 16
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None  # chosen-token logprobs, and this many alternatives per token
     echo: bool = False
 
 
@@ -131,6 +142,7 @@ class ChatCompletionRequest(OpenAISampling):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # alternatives per token, with logprobs
 
 
 class AbortRequest(_Lenient):

@@ -181,8 +181,8 @@ def test_documented_fields_not_honoured_are_refused_by_name_and_neutral_values_p
     """A caller who asked for constrained JSON, penalties or tools hears so; nothing is dropped with a 200."""
     refused = [
         ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-        ("/generate", {"text": "hi", "top_logprobs_num": 3, "return_logprob": True}, "top_logprobs_num"),
-        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/generate", {"text": "hi", "logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -296,3 +296,75 @@ def test_startup_line_says_what_runs_and_probes_stay_out_of_the_access_log(serve
     assert '"GET /health HTTP' not in log and '"GET /metrics HTTP' not in log
     access = [line for line in log.splitlines() if "uvicorn.access" in line]
     assert access and all(" INFO uvicorn.access: " in line for line in access), access[:3]
+
+
+def test_penalties_pick_what_the_penalised_distribution_ranks_first(server):
+    """Greedy under presence and frequency penalties: at each step no reported alternative, penalised by what the
+    output held before it, beats the chosen token penalised the same way (logprobs are the model's own)."""
+    fp, pp = 0.7, 0.9
+    body = {"text": "The the the the the the", "return_logprob": True, "top_logprobs_num": 20,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                "frequency_penalty": fp, "presence_penalty": pp}}
+    out = post(server, "/generate", body).json()
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert len(meta["output_top_logprobs"]) == len(ids) == 24
+    plain = post(server, "/generate", {**body, "sampling_params": {**body["sampling_params"], "frequency_penalty": 0,
+                                                                    "presence_penalty": 0}}).json()
+    assert plain["output_ids"] != ids, "the penalties changed nothing"
+    for step, (chosen, top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+        before = ids[:step]
+
+        def penalised(lp, t, before=before):
+            n = before.count(t)
+            return lp - fp * n - (pp if n else 0)
+
+        assert all(penalised(lp, t) <= penalised(chosen[0], chosen[1]) + 1e-4 for lp, t, _ in top), step
+
+
+def test_min_new_tokens_holds_off_a_stop_token_and_special_tokens_can_stay(server):
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    first = post(server, "/generate", body).json()["output_ids"][0]
+    stopped = post(server, "/generate", {**body, "sampling_params": {**body["sampling_params"],
+                                                                       "stop_token_ids": [first]}}).json()
+    assert stopped["output_ids"] == [first] and stopped["meta_info"]["finish_reason"]["type"] == "stop"
+    held = post(server, "/generate", {**body, "sampling_params": {**body["sampling_params"], "stop_token_ids": [first],
+                                                                    "min_new_tokens": 3}}).json()
+    assert len(held["output_ids"]) >= 3 and first not in held["output_ids"][:3]
+    special = {"input_ids": [1, 504], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                                          "stop_token_ids": [2], "min_new_tokens": 0}}
+    kept = post(server, "/generate", {**special, "sampling_params": {**special["sampling_params"],
+                                                                      "skip_special_tokens": False}}).json()
+    skipped = post(server, "/generate", special).json()
+    assert kept["output_ids"] == skipped["output_ids"]
+    tokenizer_specials = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    has_special = any(s in kept["text"] for s in tokenizer_specials)
+    assert has_special == (kept["text"] != skipped["text"])
+    wait_pages_free(server)
+
+
+def test_openai_logprobs_and_echo_through_the_official_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(alts) == 2 and max(alts.values()) >= chosen - 1e-4 for alts, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
+    echoed = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + comp.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, temperature=0, logprobs=True, stream=True))
+    tokens = [c.token for p in streamed if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+    r = post(server, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
+    wait_pages_free(server)

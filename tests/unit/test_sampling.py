@@ -6,7 +6,7 @@ import torch
 
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import Sequence, check_finish, trim_stop_string
-from decode_worker.model.sampler import make_generator, sample
+from decode_worker.model.sampler import Shaping, make_generator, sample
 
 
 def test_greedy_takes_argmax_and_reports_its_logprob():
@@ -35,7 +35,9 @@ def test_seed_makes_sampling_reproducible():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0)]
+    "field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0),
+                    ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0.0),
+                    ("min_new_tokens", 500), ("top_logprobs", 21)]
 )
 def test_invalid_params_are_rejected_by_name(field, value):
     with pytest.raises(ValueError, match=field):
@@ -80,3 +82,58 @@ def test_a_temperature_next_to_zero_is_greedy():
     params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=0)]
     result = sample(logits, params, [None, None])
     assert result.token_ids == logits.argmax(-1).tolist()
+
+
+GREEDY = dict(temperature=0)
+
+
+def pick(logits: list[float], shaping: Shaping, **params) -> tuple[int, float]:
+    row = torch.tensor([logits])
+    res = sample(row, [SamplingParams(**GREEDY, **params)], [None], [shaping])
+    return res.token_ids[0], res.logprobs[0]
+
+
+def test_frequency_and_presence_penalties_count_the_output_and_logprobs_stay_unmodified():
+    logits = [2.0, 1.6, 0.0]
+    seen_twice = Shaping(output_ids=[0, 0], context_ids=[], banned=[])
+    assert pick(logits, seen_twice)[0] == 0  # no penalty asked: the shaping changes nothing
+    assert pick(logits, seen_twice, frequency_penalty=0.1)[0] == 0  # 2.0 - 2 * 0.1 = 1.8 > 1.6
+    assert pick(logits, seen_twice, frequency_penalty=0.3)[0] == 1  # 2.0 - 0.6 = 1.4 < 1.6
+    assert pick(logits, seen_twice, presence_penalty=0.3)[0] == 0  # once, whatever the count: 1.7 > 1.6
+    token, logprob = pick(logits, seen_twice, presence_penalty=0.5)
+    assert token == 1 and logprob == pytest.approx(torch.log_softmax(torch.tensor(logits), 0)[1].item())
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_the_context():
+    assert pick([2.0, 1.5], Shaping([], context_ids=[0], banned=[]), repetition_penalty=1.5)[0] == 1  # 2 / 1.5 < 1.5
+    assert pick([-1.0, -1.2], Shaping([], context_ids=[0], banned=[]), repetition_penalty=1.5)[0] == 1  # -1.5 < -1.2
+    assert pick([2.0, 1.5], Shaping([], context_ids=[1], banned=[]), repetition_penalty=1.5)[0] == 0
+
+
+def test_banned_tokens_are_never_picked_even_when_sampling():
+    row = torch.tensor([[5.0, 0.0, 0.0]])
+    g = make_generator(1, torch.device("cpu"))
+    picks = {sample(row, [SamplingParams(temperature=2.0, min_new_tokens=1)], [g], [Shaping([], [], [0])]).token_ids[0]
+             for _ in range(50)}
+    assert 0 not in picks
+
+
+def test_top_logprobs_are_each_rows_best_alternatives_under_the_model():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0]])
+    res = sample(logits, [SamplingParams(**GREEDY, top_logprobs=3), SamplingParams(**GREEDY)], [None, None])
+    expected = torch.log_softmax(logits[0], 0)
+    assert [t for t, _ in res.top_logprobs[0]] == [1, 3, 2]
+    assert [lp for _, lp in res.top_logprobs[0]] == pytest.approx([expected[i].item() for i in (1, 3, 2)])
+    assert res.top_logprobs[1] == []
+
+
+def test_no_stop_before_min_new_tokens():
+    params = SamplingParams(max_new_tokens=10, min_new_tokens=3, stop=["b"], stop_token_ids=[9])
+    seq = Sequence("r", [1], params)
+    for token in (9, 9):
+        seq.output_ids.append(token)
+        check_finish(seq, (2,), 100, lambda ids: "b" * len(ids))
+        assert seq.finish_reason is None
+    seq.output_ids.append(9)
+    check_finish(seq, (2,), 100, lambda ids: "")
+    assert seq.finish_reason == {"type": "stop", "matched": 9}
