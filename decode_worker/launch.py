@@ -5,6 +5,7 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +66,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000, help="router port (the one to curl)")
     parser.add_argument("--prefill-port", type=int, default=30001)
     parser.add_argument("--decode-port", type=int, default=30002)
+    parser.add_argument("--router-metrics-port", type=int, default=0,
+                        help="the router's Prometheus port (0: a free one; sglang-router's own default, 29000, "
+                             "would clash with a second deployment on the host)")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--page-size", type=int, default=16)
@@ -80,6 +84,12 @@ def router_auth(api_key: str) -> list[str]:
     """sglang-router's --api-key: it then requires the key from clients and sends it to the workers on its own
     calls (/server_info, /model_info) as on forwarded requests. It has no environment variable for it."""
     return ["--api-key", api_key] if api_key else []
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -104,13 +114,17 @@ def run_up(args: argparse.Namespace) -> int:
         for name, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
             dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)
         prefill_url = f"http://{args.host}:{args.prefill_port}"
+        metrics_port = args.router_metrics_port or free_port(args.host)
         dep.start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                              "--prefill", prefill_url, str(args.prefill_port),
                              "--decode", f"http://{args.host}:{args.decode_port}",
-                             "--host", args.host, "--port", str(args.port)] + router_auth(args.api_key), env)
+                             "--host", args.host, "--port", str(args.port),
+                             "--prometheus-host", args.host, "--prometheus-port", str(metrics_port)]
+                  + router_auth(args.api_key), env)
         dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
         url = f"http://{args.host}:{args.port}"
-        print(f"PD deployment ready: router {url}, prefill {prefill_url}, decode http://{args.host}:{args.decode_port}")
+        print(f"PD deployment ready: router {url} (metrics :{metrics_port}), prefill {prefill_url}, "
+              f"decode http://{args.host}:{args.decode_port}")
         print(f"logs: {log_dir}")
         auth = " -H \"Authorization: Bearer $DECODE_WORKER_API_KEY\"" if args.api_key else ""
         print(f"try:\n  curl -s {url}/generate{auth} -H 'content-type: application/json' "

@@ -100,7 +100,8 @@ def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
     prefill_port = prefill.url.rsplit(":", 1)[1]
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
            "--prefill", prefill.url, prefill_port, "--decode", decode.url,
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port())]  # its default, 29000, clashes with any other router here
     return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
 
 
