@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from decode_worker.bench.command import add_bench_args, run_bench
 from decode_worker.config import ConfigError, add_config_args, config_from_args, config_from_env, package_version
 from decode_worker.launch import add_up_args, run_up
 from decode_worker.model.config import ModelLoadError
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local PD deployment: sglang-router, a prefill and a decode worker")
     add_up_args(up)
     up.set_defaults(func=_up)
+    bench = sub.add_parser("bench", help="benchmark decode cache modes on shared-prefix and chat workloads")
+    add_bench_args(bench)
+    bench.set_defaults(func=run_bench)
     fetch = sub.add_parser("fetch-model", help="download the embedded default model into the cache folder")
     fetch.set_defaults(func=_fetch_model)
     return parser

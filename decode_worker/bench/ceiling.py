@@ -1,0 +1,47 @@
+"""The hit rate an unbounded cache reaches on a trace, at page granularity: the ceiling each mode's measured hit
+rate is read against. Requests count in send order; each one's KV (prompt plus every output token but the last,
+whose KV is never computed) is cached in full pages once it has been looked up, as the decode worker does."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+def page_keys(tokens: Sequence[int], page_size: int) -> Iterator[int]:
+    """One key per full page, chained so that a page's key names everything before it too."""
+    key = 0
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        key = hash((key, tuple(tokens[start : start + page_size])))
+        yield key
+
+
+@dataclass
+class UnboundedCache:
+    page_size: int
+    keys: set[int] = field(default_factory=set)
+
+    def hit_tokens(self, prompt: Sequence[int]) -> int:
+        hits = 0
+        for key in page_keys(prompt, self.page_size):
+            if key not in self.keys:
+                break
+            hits += 1
+        return hits * self.page_size
+
+    def insert(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.keys.update(page_keys(list(prompt) + list(output[:-1]), self.page_size))
+
+
+def unbounded_hit_rate(requests: Iterable[tuple[Sequence[int], Sequence[int]]], page_size: int,
+                       warm: Iterable[tuple[Sequence[int], Sequence[int]]] = ()) -> float:
+    """Cached prompt tokens / prompt tokens over ``requests`` (prompt, output pairs in send order), after the
+    requests of ``warm`` (an earlier run whose KV a restarted pod finds in L3) have been cached."""
+    cache = UnboundedCache(page_size)
+    for prompt, output in warm:
+        cache.insert(prompt, output)
+    hit = total = 0
+    for prompt, output in requests:
+        hit += cache.hit_tokens(prompt)
+        total += len(prompt)
+        cache.insert(prompt, output)
+    return hit / total if total else 0.0

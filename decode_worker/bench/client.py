@@ -1,0 +1,121 @@
+"""The load generator: streamed `POST /generate` calls to the router, timed at the client, which is where a
+user sees TTFT and inter-token latency. Open loop over a prompt list (a concurrency cap, optionally Poisson
+arrivals), or closed loop per chat client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from decode_worker.bench.workload import Conversation
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RequestResult:
+    prompt: list[int]
+    sent_at: float  # seconds after the run started
+    output: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)  # per token after the first; a chunk of n tokens gives n
+    e2e: float = 0.0
+    error: str | None = None
+
+
+def _body(prompt: list[int], output_len: int) -> dict:
+    return {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
+
+
+async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
+                   t0: float) -> RequestResult:
+    """One streamed request. Chunks carry the output so far; errors come as a status or an error chunk."""
+    start = time.perf_counter()
+    res = RequestResult(prompt, start - t0)
+    last = start
+    try:
+        async with http.stream("POST", target.url + "/generate", json=_body(prompt, output_len),
+                               headers=target.headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"{resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:200]
+                    return res
+                now, new = time.perf_counter(), len(chunk["output_ids"]) - len(res.output)
+                if new > 0 and res.ttft is None:
+                    res.ttft = now - start
+                elif new > 0:
+                    res.itl += [(now - last) / new] * new
+                if new > 0:
+                    last, res.output = now, chunk["output_ids"]
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.e2e = time.perf_counter() - start
+    return res
+
+
+def http_client(connections: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=30.0),
+                             limits=httpx.Limits(max_connections=connections + 4))
+
+
+async def run_prompts(target: Target, prompts: list[list[int]], output_len: int, concurrency: int,
+                      request_rate: float, seed: int, done: Callable[[], None]) -> list[RequestResult]:
+    """Send in list order: at most ``concurrency`` in flight, arrivals Poisson at ``request_rate`` per second
+    (all at once when it is infinite)."""
+    rng = random.Random(f"arrivals-{seed}")
+    gate = asyncio.Semaphore(concurrency)
+    t0 = time.perf_counter()
+    arrivals, at = [], 0.0
+    for _ in prompts:
+        arrivals.append(at)
+        at += rng.expovariate(request_rate) if request_rate != float("inf") else 0.0
+
+    async def one(prompt: list[int], arrival: float, http: httpx.AsyncClient) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+        async with gate:
+            res = await generate(http, target, prompt, output_len, t0)
+        done()
+        return res
+
+    async with http_client(concurrency) as http:
+        return list(await asyncio.gather(*(one(p, a, http) for p, a in zip(prompts, arrivals))))
+
+
+async def run_chat(target: Target, convs: list[Conversation], rounds: int, output_len: int,
+                   done: Callable[[], None]) -> list[RequestResult]:
+    """Each client sends its rounds one after another; clients run side by side. A failed round ends that
+    conversation (the next one would have no answer to append)."""
+    t0 = time.perf_counter()
+    results: list[RequestResult] = []
+
+    async def client(conv: Conversation, http: httpx.AsyncClient) -> None:
+        for _ in range(rounds):
+            prompt = conv.next_prompt()
+            res = await generate(http, target, prompt, output_len, t0)
+            results.append(res)
+            done()
+            if res.error is not None:
+                return
+            conv.answered(prompt, res.output)
+
+    async with http_client(len(convs)) as http:
+        await asyncio.gather(*(client(c, http) for c in convs))
+    return sorted(results, key=lambda r: r.sent_at)

@@ -1,0 +1,86 @@
+"""A PD deployment per mode, started as `decode-worker up` starts one (``launch.Deployment``: prefill and
+decode workers, then sglang-router in PD mode, on loopback) but with each mode's decode cache flags, free ports,
+and workers that share no state but the L3 folder."""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode_worker.bench.modes import Mode
+from decode_worker.launch import Deployment, router_auth
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    router: str
+    decode: str | None  # None: its /metrics is unknown (a deployment the user gave without it)
+    prefill: str | None
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    model_path: str | None
+    dtype: str
+    page_size: int
+    l1_tokens: int
+    prefill_l1_tokens: int
+    hicache_ratio: float
+    prefetch_policy: str
+    api_key: str
+    log_dir: Path
+    startup_timeout_s: float
+    host: str = "127.0.0.1"
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.log_dir / "l3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[str]:
+    cmd = [sys.executable, "-m", "decode_worker.cli", "serve", "--role", role, "--host", spec.host,
+           "--port", str(port), "--max-total-tokens", str(l1_tokens), "--page-size", str(spec.page_size),
+           "--dtype", spec.dtype]
+    return cmd + (["--model-path", spec.model_path] if spec.model_path else [])
+
+
+@contextmanager
+def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
+    """Start router, prefill and decode for ``mode``; stop them all on exit. Logs go to a folder per mode."""
+    log_dir = spec.log_dir / mode.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, DECODE_WORKER_PD_TOKEN=secrets.token_hex(16), DECODE_WORKER_API_KEY=spec.api_key)
+    prefill_port, decode_port, router_port, metrics_port = (free_port() for _ in range(4))
+
+    def url(port: int) -> str:
+        return f"http://{spec.host}:{port}"
+
+    dep = Deployment(log_dir)
+    try:
+        dep.start("prefill", _worker_cmd(spec, "prefill", prefill_port, spec.prefill_l1_tokens), env)
+        dep.start("decode", _worker_cmd(spec, "decode", decode_port, spec.l1_tokens)
+                  + ["--bootstrap-port", str(prefill_port)]
+                  + mode.decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy), env)
+        for name, port in (("prefill", prefill_port), ("decode", decode_port)):
+            dep.wait_healthy(name, url(port) + "/health", spec.startup_timeout_s)
+        dep.start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                             "--prefill", url(prefill_port), str(prefill_port), "--decode", url(decode_port),
+                             "--host", spec.host, "--port", str(router_port),
+                             # its Prometheus port defaults to 29000, which another deployment on the host may hold
+                             "--prometheus-host", spec.host, "--prometheus-port", str(metrics_port)]
+                  + router_auth(spec.api_key), env)
+        dep.wait_healthy("router", url(router_port) + "/health", 60)
+        yield Endpoints(url(router_port), url(decode_port), url(prefill_port))
+    finally:
+        dep.stop()

@@ -1,0 +1,43 @@
+"""The PNG: per workload, the decode worker's hit rate per tier next to the unbounded ceiling (top) and the
+client's TTFT per mode (bottom: bar p50, whisker to p90)."""
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from decode_worker.bench.runner import Row
+
+TIER_COLOURS = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
+
+
+def plot(rows: Sequence[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 7), squeeze=False)
+    for col, workload in enumerate(workloads):
+        group = [r for r in rows if r.workload == workload]
+        x = range(len(group))
+        hits, ttft = axes[0][col], axes[1][col]
+        bottom = [0.0] * len(group)
+        for tier, colour in TIER_COLOURS.items():
+            values = [(r.workers.hit_rate or {}).get(tier, 0.0) for r in group]
+            hits.bar(x, values, bottom=bottom, color=colour, label=f"L{list(TIER_COLOURS).index(tier) + 1} {tier}")
+            bottom = [b + v for b, v in zip(bottom, values)]
+        hits.scatter(x, [r.unbounded_hit_rate for r in group], marker="_", s=600, color="black", label="unbounded")
+        hits.set(title=workload, ylim=(0, 1), ylabel="token hit rate" if col == 0 else None)
+        p50 = [r.client.ttft_s["p50"] or 0.0 for r in group]
+        p90 = [r.client.ttft_s["p90"] or 0.0 for r in group]
+        ttft.bar(x, p50, color="#7f7f7f", yerr=[[0] * len(group), [b - a for a, b in zip(p50, p90)]], capsize=4)
+        ttft.set(ylabel="TTFT p50, whisker p90 (s)" if col == 0 else None)
+        for ax in (hits, ttft):
+            ax.set_xticks(list(x), [r.mode for r in group], rotation=30)
+    axes[0][0].legend(loc="upper left", fontsize=8)
+    fig.suptitle(textwrap.fill(title, 40 * len(workloads)), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""Prometheus text scraped from a worker's /metrics, and the difference of two scrapes: a run's own counts
+on a worker that served other requests before (its warm-up, earlier workloads)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import httpx
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+Series = tuple[str, frozenset[tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class Scrape:
+    samples: dict[Series, float] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        samples = {}
+        for line in text.splitlines():
+            match = _SAMPLE.match(line)
+            if match and not line.startswith("#"):
+                name, labels, value = match.groups()
+                samples[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
+        return cls(samples)
+
+    def get(self, name: str, **labels: str) -> float:
+        """Sum of the series of ``name`` whose labels include ``labels``; 0 when there is none."""
+        wanted = set(labels.items())
+        return sum(v for (n, ls), v in self.samples.items() if n == name and wanted <= ls)
+
+    def mean(self, histogram: str) -> float | None:
+        """Mean of a histogram's observations, None without any."""
+        count = self.get(histogram + "_count")
+        return self.get(histogram + "_sum") / count if count else None
+
+    def __sub__(self, before: Scrape) -> Scrape:
+        return Scrape({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
+
+
+async def scrape(http: httpx.AsyncClient, url: str) -> Scrape:
+    resp = await http.get(url + "/metrics", timeout=30)
+    resp.raise_for_status()
+    return Scrape.parse(resp.text)

@@ -1,0 +1,88 @@
+"""The traces the benchmark replays, as token ids so lengths are exact and no tokenizer is needed.
+
+Shared prefix (SGLang's generated-shared-prefix shape): G groups of P prompts, each its group's prefix followed
+by a unique suffix, groups interleaved by a seeded shuffle. Its second round keeps the prefixes and the order
+and draws new suffixes: what a restarted pod sees from the same users.
+Multi-turn chat: each client sends a first message, then each round appends the answer it got and a new
+question; the next round of a conversation is only known once the previous answer is.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SharedPrefixSpec:
+    groups: int
+    prompts_per_group: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.groups}x{self.prompts_per_group}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    group: int
+    ids: list[int]
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def shared_prefix_trace(spec: SharedPrefixSpec, vocab_size: int, round_: int = 0) -> list[Prompt]:
+    """The prompts in send order. Prefixes and order depend on the seed and the shape (two shapes share no
+    prefix, so L3 pages one left never serve the other), suffixes also on the round."""
+    rng = random.Random(f"prefix-{spec.seed}-{spec.name}")
+    prefixes = [_tokens(rng, spec.prefix_len, vocab_size) for _ in range(spec.groups)]
+    order = [g for _ in range(spec.prompts_per_group) for g in range(spec.groups)]
+    rng.shuffle(order)
+    suffix_rng = random.Random(f"suffix-{spec.seed}-{spec.name}-{round_}")
+    return [Prompt(g, prefixes[g] + _tokens(suffix_rng, spec.suffix_len, vocab_size)) for g in order]
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    clients: int
+    rounds: int
+    first_len: int  # tokens of a conversation's first message
+    turn_len: int  # tokens of each later question
+    output_len: int
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"chat {self.clients}x{self.rounds}"
+
+
+@dataclass
+class Conversation:
+    """One client's history; ``next_prompt`` and ``answered`` alternate."""
+
+    client: int
+    spec: ChatSpec
+    vocab_size: int
+    history: list[int] = field(default_factory=list)
+    turns: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(f"chat-{self.spec.seed}-{self.client}")
+
+    def next_prompt(self) -> list[int]:
+        n = self.spec.first_len if self.turns == 0 else self.spec.turn_len
+        return self.history + _tokens(self.rng, n, self.vocab_size)
+
+    def answered(self, prompt: list[int], output: list[int]) -> None:
+        self.history = prompt + output
+        self.turns += 1
+
+
+def conversations(spec: ChatSpec, vocab_size: int) -> list[Conversation]:
+    return [Conversation(c, spec, vocab_size) for c in range(spec.clients)]
