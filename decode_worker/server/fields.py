@@ -65,9 +65,11 @@ OPENAI: dict[str, tuple[Neutral, str]] = {
     "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
     "store": (FALSE, "stored completions"), "web_search_options": (ABSENT, "web search"),
 }
-# Documented fields that ask nothing of the output: accepted as they are.
-OPENAI_NOTES = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
-                          "prompt_cache_key", "verbosity", "max_completion_tokens"})
+# Documented fields that ask nothing of the output (metadata, logging and routing hints, which sglang-router adds
+# to what it forwards): accepted as they are, without a warning.
+NOTES = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
+                   "prompt_cache_key", "verbosity", "max_completion_tokens", "model", "log_metrics", "no_logs",
+                   "custom_labels", "data_parallel_rank", "bootstrap_pair_key", "extra_key", "priority"})
 
 ROUTES = {"/generate": GENERATE, "/v1/completions": OPENAI, "/v1/chat/completions": OPENAI}
 _warned: set[tuple[str, str]] = set()
@@ -93,7 +95,7 @@ def _check(model: type[BaseModel], data: dict, table: dict, where: str, prefix: 
             neutral, feature = table[name]
             if not neutral(value):
                 raise ValueError(f"field '{prefix}{name}' is not supported by this worker ({feature}): leave it out")
-        elif name not in known and name not in OPENAI_NOTES and (where, prefix + name) not in _warned:
+        elif name not in known and name not in NOTES and (where, prefix + name) not in _warned:
             _warned.add((where, prefix + name))
             log.warning("%s: ignoring field '%s', which no API this worker speaks documents", where, prefix + name)
 
