@@ -10,11 +10,11 @@ from enum import Enum
 from importlib.metadata import version
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
-from decode_worker.core.policies import PrefetchMode, Role, StorageBackend, WritePolicy
+from decode_worker.core.policies import EvictionPolicy, PrefetchMode, Role, StorageBackend, WritePolicy
 
 ENV_PREFIX = "DECODE_WORKER_"
 # What a value of each pydantic error type must be instead; other errors keep pydantic's message.
@@ -47,7 +47,8 @@ class ServerConfig(BaseSettings):
     served_model_name: str | None = _opt("model name reported by the API; unset: the model file's name")
     host: str = _opt("HTTP bind address", "127.0.0.1")
     port: int = _opt("HTTP port", 30000)
-    dtype: str = _opt("weights and KV dtype: float32, bfloat16 or float16", "float32")
+    dtype: str = _opt("weights and KV dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on "
+                      "CPU)", "auto")
     max_total_tokens: int = _opt("L1 (device) KV capacity in tokens", 32768)
     page_size: int = _opt("tokens per KV page", 16)
     max_running_requests: int = _opt("largest decode batch", 64)
@@ -73,6 +74,9 @@ class ServerConfig(BaseSettings):
     disaggregation_decode_hicache_size: float = _opt("L2 size in GB (overrides the ratio)", 0.0)
     disaggregation_decode_hicache_write_policy: WritePolicy = _opt("when pages are backed up to L2",
                                                                    WritePolicy.WRITE_THROUGH)
+    radix_eviction_policy: EvictionPolicy = _opt("which cached pages L1 demotion and L2 eviction give up first: slru "
+                                                 "(never-hit before hit, then LRU; exactly the pages needed), lru, "
+                                                 "lfu", EvictionPolicy.SLRU)
     hicache_storage_backend: StorageBackend = _opt("L3 storage backend", StorageBackend.NONE)
     hicache_storage_url: str | None = _opt("folder for file, redis://host:port for redis")
     hicache_storage_prefetch_policy: PrefetchMode = _opt("how long a request waits for L3 prefetch",
@@ -86,6 +90,17 @@ class ServerConfig(BaseSettings):
     hicache_storage_file_max_gb: float = _opt("file backend: folder size cap in GB (least recently used pages go "
                                               "first)", 16.0)
     log_level: str = _opt("logging level", "info")
+
+    @field_validator("dtype")
+    @classmethod
+    def _resolve_dtype(cls, value: str) -> str:
+        """``auto``: bfloat16 where the model runs on CUDA (half fp32's memory and bandwidth), float32 on CPU,
+        where the tests compare against float32 references."""
+        if value != "auto":
+            return value
+        import torch  # only here: the config module stays light for `--help`
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
 
     def validate(self) -> None:
         """Combinations the types cannot express; each value's type was checked when the model was built."""

@@ -1,8 +1,8 @@
-"""Eviction for ``HierarchicalCache``: the policy's ordering key (LRU or LFU), which nodes each tier may give up,
-the eviction batches (``evict_device``, ``evict_host``), removing nodes (``_drop``) and counting evictable pages.
+"""Eviction for ``HierarchicalCache``: the policy's ordering key (SLRU, LRU or LFU), which nodes each tier may give
+up, the eviction batches (``evict_device``, ``evict_host``), removing nodes (``_drop``) and counting evictable pages.
 
 A mixin for the reason given in ``tiers.py``: the state lives once, on the cache. Besides the attributes below,
-it calls ``_alloc_host`` (tiers) to demote a write_back victim to L2.
+it calls ``_alloc_host`` (tiers) to demote a write_back victim to L2, and ``_split`` (tiers) to cut a victim.
 """
 from __future__ import annotations
 
@@ -37,13 +37,25 @@ class EvictionMixin:
     # -- victims ----------------------------------------------------------------------------------------------------
 
     def _entry(self, node: TreeNode) -> tuple:
-        """Heap entry: the policy's ordering key (least recently used; or least hit, then least recent), a
-        tie-breaker, and the node."""
-        if self.eviction == EvictionPolicy.LFU:
-            prio: tuple = (node.hit_count, node.last_access)
+        """Heap entry: the policy's ordering key, a tie-breaker, and the node. SLRU: never-hit nodes first (a
+        request's own suffix, rarely reused), then hit ones (shared prefixes), least recently used first within
+        each; LRU: least recently used; LFU: least hit, then least recent."""
+        if self.eviction == EvictionPolicy.SLRU:
+            prio: tuple = (node.hit_count > 0, node.last_access)
+        elif self.eviction == EvictionPolicy.LFU:
+            prio = (node.hit_count, node.last_access)
         else:
             prio = (node.last_access,)
         return (*prio, id(node), node)
+
+    def _trim(self, node: TreeNode, need: int) -> TreeNode:
+        """The part of victim ``node`` to give up for ``need`` more pages. Under SLRU only its last ``need`` pages
+        (split off; the head stays cached with its hit count), so a shared prefix is never evicted whole for a
+        few pages; LRU and LFU give up whole leaves."""
+        k = self.tree.num_pages(node)
+        if self.eviction == EvictionPolicy.SLRU and need < k:
+            self._split(node, k - need)  # ``node`` keeps the tail and the children
+        return node
 
     def _device_evictable(self, node: TreeNode) -> bool:
         return node.on_device and node.lock_ref == 0 and not any(c.on_device for c in node.children.values())
@@ -78,7 +90,8 @@ class EvictionMixin:
     # -- eviction batches -------------------------------------------------------------------------------------------
 
     def evict_device(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L1 pages from unlocked leaves in one batch; returns pages released.
+        """Free at least ``n_pages`` L1 pages (exactly, under SLRU) from unlocked leaves in one batch; returns
+        pages released.
 
         A backed-up leaf is demoted to host-only; under write_back a leaf is backed up now (its L1 pages are
         freed when that copy finishes); any other leaf leaves the tree with its host-only subtree.
@@ -89,7 +102,7 @@ class EvictionMixin:
         demote = PendingCopy("backup", nodes=[], locked=[])
         old_pages, released = [], 0
         while released < n_pages and heap:
-            node = heapq.heappop(heap)[-1]
+            node = self._trim(heapq.heappop(heap)[-1], n_pages - released)
             parent, k = node.parent, self.tree.num_pages(node)
             if node.on_host:
                 self.device_alloc.free(tree.clear_device(node))
@@ -127,13 +140,14 @@ class EvictionMixin:
         self._pending.append(op)
 
     def evict_host(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L2 pages from unlocked host-only leaves; returns pages freed."""
+        """Free at least ``n_pages`` L2 pages (exactly, under SLRU) from unlocked host-only leaves; returns pages
+        freed."""
         tree = self.tree
         heap = [self._entry(n) for n in tree.nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < n_pages and heap:
-            node = heapq.heappop(heap)[-1]
+            node = self._trim(heapq.heappop(heap)[-1], n_pages - freed)
             parent = node.parent
             freed += self.tree.num_pages(node)
             self._drop(node)

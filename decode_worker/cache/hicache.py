@@ -76,7 +76,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         host_pool: KVPool | None = None,
         *,
         write_policy: str = WritePolicy.WRITE_THROUGH,
-        eviction: str = EvictionPolicy.LRU,
+        eviction: str = EvictionPolicy.SLRU,
         hash_seed: str | None = None,
         engine: CopyEngine | None = None,
         storage: StorageTier | None = None,

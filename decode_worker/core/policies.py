@@ -20,8 +20,11 @@ class WritePolicy(StrEnum):
 
 
 class EvictionPolicy(StrEnum):
-    LRU = "lru"
-    LFU = "lfu"
+    """Which unlocked leaves L1 demotion and L2 eviction give up first."""
+
+    SLRU = "slru"  # never-hit nodes before hit ones, LRU within each; exactly the pages needed (splits the last)
+    LRU = "lru"  # least recently used whole leaves
+    LFU = "lfu"  # least hit whole leaves, then least recently used
 
 
 class StorageBackup(StrEnum):

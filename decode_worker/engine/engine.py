@@ -66,7 +66,7 @@ class Engine:
         # L3 backs up what reaches L2; under write_through_selective only pages hit twice, as L2 itself does.
         write_policy = cfg.disaggregation_decode_hicache_write_policy
         self.cache = HierarchicalCache(
-            self.runner.pool, host_pool, write_policy=write_policy,
+            self.runner.pool, host_pool, write_policy=write_policy, eviction=cfg.radix_eviction_policy,
             storage=open_storage(cfg, self.runner.layout),
             storage_backup_policy=(StorageBackup.HIT_TWICE if write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
                                    else StorageBackup.ALL),

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from decode_worker.config import ConfigError, ServerConfig, add_config_args, config_from_args, config_from_env
-from decode_worker.core.policies import PrefetchMode, Role, StorageBackend, WritePolicy
+from decode_worker.core.policies import EvictionPolicy, PrefetchMode, Role, StorageBackend, WritePolicy
 
 
 def parse(argv, monkeypatch=None, env=None):
@@ -89,6 +89,11 @@ def test_policy_fields_are_the_policy_enums(monkeypatch):
     assert cfg.disaggregation_decode_hicache_write_policy is WritePolicy.WRITE_BACK
     assert cfg.hicache_storage_prefetch_policy is PrefetchMode.TIMEOUT
     assert cfg.hicache_storage_backend is StorageBackend.NONE
+
+
+def test_radix_eviction_policy_defaults_to_slru_and_takes_sglang_s_flag(monkeypatch):
+    assert parse([], monkeypatch).radix_eviction_policy is EvictionPolicy.SLRU
+    assert parse(["--radix-eviction-policy", "lfu"], monkeypatch).radix_eviction_policy is EvictionPolicy.LFU
 
 
 def test_help_shows_defaults_variables_and_choices():

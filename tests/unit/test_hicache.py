@@ -460,7 +460,7 @@ def test_write_through_selective_backs_up_on_second_hit(hc):
 
 
 def test_write_back_backs_up_on_eviction(hc):
-    cache, dev, host = hc(write_policy="write_back")
+    cache, dev, host = hc(write_policy="write_back", eviction="lru")  # whole leaves
     run(cache, dev, PROMPT)
     cache.drain()
     assert not node_of(cache, PROMPT).on_host
@@ -524,7 +524,7 @@ def test_reinserting_an_evicted_node_keeps_its_host_copy(hc):
 
 
 def test_alloc_evicts_in_one_batch(hc, monkeypatch):
-    cache, dev, _ = hc(device_pages=11)
+    cache, dev, _ = hc(device_pages=11, eviction="lru")
     for i in range(5):
         run(cache, dev, (i, i, i, i))
     cache.drain()  # write_through copies pin their nodes until they land

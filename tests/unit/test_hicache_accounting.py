@@ -79,7 +79,7 @@ def test_stats_to_dict_is_the_server_info_cache_object(hc):
 
 
 def test_two_write_back_batches_in_flight_drain_both(hc):
-    cache, dev, host = hc(device_pages=20, write_policy="write_back")
+    cache, dev, host = hc(device_pages=20, write_policy="write_back", eviction="lru")  # whole leaves
     run(cache, dev, A)
     run(cache, dev, (7, 7, 7, 7))
     cache.engine.gate.clear()

@@ -178,6 +178,7 @@ class CacheMachine(RuleBasedStateMachine):
         "flush_kept_locked",  # flush left locked paths in place
         "host_fill_oversized", "host_alloc_refused",  # alloc_host larger than L2 / refused
         "host_attach_connected", "host_attach_duplicate", "host_attach_dropped",  # insert_host outcomes
+        "evict_split",  # an slru eviction batch (a rule's or an allocation's) split its last victim
     )
 
     def __init__(self):
@@ -210,6 +211,31 @@ class CacheMachine(RuleBasedStateMachine):
         self.host_ref: set = set()
         if self.cache.host_alloc is not None:
             self.cache.host_alloc.alloc = self.recording(self.cache.host_alloc.alloc)
+        self.splits = 0
+        self.cache._split = self.counting(self.cache._split)
+        self.cache.evict_device = self.noting_splits(self.cache.evict_device)
+        self.cache.evict_host = self.noting_splits(self.cache.evict_host)
+
+    def counting(self, split: Callable) -> Callable:
+        """The cache's split, counted: an eviction batch that splits is a page-precise one."""
+
+        def split_and_count(*args):
+            self.splits += 1
+            return split(*args)
+
+        return split_and_count
+
+    def noting_splits(self, evict: Callable[[int], int]) -> Callable[[int], int]:
+        """An eviction batch (from a rule or inside an allocation) that notes when it split its last victim."""
+
+        def evict_and_note(n: int) -> int:
+            splits = self.splits
+            freed = evict(n)
+            if self.splits > splits:
+                self.hit("evict_split")
+            return freed
+
+        return evict_and_note
 
     def recording(self, alloc: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
         """The L2 allocator, noting what it hands out: a page allocated, written and freed again within one step
@@ -591,6 +617,8 @@ class CacheMachine(RuleBasedStateMachine):
         released = self.cache.evict_device(n)
         old_dev, _ = self.adopt()
         assert released == len(old_dev - self.dev_ref) and released >= min(n, evictable)
+        if self.cache.eviction == EvictionPolicy.SLRU:
+            assert released == min(n, evictable), "slru frees exactly the pages asked for"
 
     @precondition(lambda self: self.engine is not None and self.engine.queue)
     @rule(n=st.integers(1, 3), fail=st.booleans())
@@ -782,7 +810,7 @@ def assert_every_branch_fires(machine: type[CacheMachine], examples: int, names:
 
 
 def test_every_rule_and_branch_fires():
-    assert_every_branch_fires(CacheMachine, 300, CacheMachine.RULES + CacheMachine.BRANCHES)
+    assert_every_branch_fires(CacheMachine, 400, CacheMachine.RULES + CacheMachine.BRANCHES)
 
 
 @pytest.mark.slow
