@@ -111,6 +111,15 @@ class Metrics:
                                      "that finished", buckets=_REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram(PREFIX + "queue_time_seconds", "Submission to admission (L1 pages and a batch "
                                     "slot granted), first admission only", buckets=_REQUEST_BUCKETS, registry=r)
+        self.forward_seconds = Histogram(PREFIX + "forward_seconds", "One batch's forward and sampling, by kind (extend: "
+                                         "prompt tokens, decode: one token per request)", ["kind"],
+                                         buckets=_TOKEN_BUCKETS, registry=r)
+        self.load_back_seconds = Histogram(PREFIX + "load_back_seconds", "Admission until a restored prefix is back "
+                                           "on L1 (L2 -> L1), for requests computed here", buckets=_LATENCY_BUCKETS,
+                                           registry=r)
+        self.kv_handshake_seconds = Histogram(PREFIX + "kv_handshake_seconds", "PD decode: the handshake call until "
+                                              "prefill accepts, which waits for prefill to hold the prompt's KV "
+                                              "(its queue and compute)", buckets=_LATENCY_BUCKETS, registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Requests that finished, by finish reason "
                                        "(stop, length)", ["finish_reason"], registry=r)
         for tier in TIERS:

@@ -74,8 +74,10 @@ class DeltaKVFetcher:
             received = self.receiver.expect(boot.room, staging.nbytes, staging,
                                             self.config.handshake_timeout_s + self.config.transfer_timeout_s)
             try:
+                asked = time.monotonic()
                 await self._handshake(boot, prefix, prompt)  # answers once prefill holds the room's KV
                 started = time.monotonic()
+                self.metrics.kv_handshake_seconds.observe(started - asked)
                 self.receiver.set_deadline(boot.room, self.config.transfer_timeout_s)  # the push's own deadline
                 trailer = await received
             except TransferError as e:

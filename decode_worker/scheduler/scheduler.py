@@ -32,7 +32,7 @@ from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.roles import COLOCATED, PromptDone, PromptSource
-from decode_worker.scheduler.telemetry import record_close, record_token
+from decode_worker.scheduler.telemetry import record_close, record_loaded, record_token
 
 log = logging.getLogger(__name__)
 S = ReqState
@@ -167,9 +167,11 @@ class Scheduler:
 
     def _forward(self, batch: Batch) -> SampleResult:
         """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
-        reqs = batch.reqs
-        return self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs], [r.seq.generator for r in reqs],
-                                          batch.shaping)
+        reqs, started = batch.reqs, time.monotonic()
+        result = self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs],
+                                            [r.seq.generator for r in reqs], batch.shaping)
+        self.metrics.forward_seconds.labels(batch.kind.value).observe(time.monotonic() - started)
+        return result
 
     def step_sync(self) -> bool:
         """One step on the calling thread, without an event loop (the offline ``LLM``; colocated only, since
@@ -294,7 +296,9 @@ class Scheduler:
                 continue
             if not all(op.ok for op in req.handle.waits):
                 self._retry_after_failed_load(req)
-            elif req.state is S.TRANSFERRING:
+                continue
+            record_loaded(self.metrics, req)
+            if req.state is S.TRANSFERRING:
                 self._received(req)
             else:
                 req.take_pages()

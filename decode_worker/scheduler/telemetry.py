@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from decode_worker.core.lifecycle import ReqState
 from decode_worker.metrics import Metrics
 from decode_worker.scheduler.req import Req
 
@@ -18,6 +19,13 @@ def record_token(metrics: Metrics, req: Req) -> None:
         metrics.ttft.observe(now - req.stream.created_at)
     req.last_token_at = now
     metrics.output_tokens.inc()
+
+
+def record_loaded(metrics: Metrics, req: Req) -> None:
+    """``req``'s load-back landed: how long its restore from L2 took since admission (nothing to report when it
+    restored nothing, or when its KV came from prefill: the transfer is timed on its own)."""
+    if req.state is ReqState.LOADING and req.handle.restored_tokens:
+        metrics.load_back_seconds.observe(time.monotonic() - req.transfer.since)
 
 
 def record_close(metrics: Metrics, req: Req, outcome: str) -> None:

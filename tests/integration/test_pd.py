@@ -56,6 +56,7 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
     text_a, text_b = PROMPT + "Question A: who built the roads?", PROMPT + "Question B: who won the wars?"
     before = decode.metric("decode_worker_kv_received_tokens_total")
     waits = {m: decode.metric(m) for m in ("decode_worker_kv_transfer_seconds_sum", "decode_worker_ttft_seconds_sum")}
+    handshakes = decode.metric("decode_worker_kv_handshake_seconds_count")
     first = pd_generate(prefill, decode, {"text": text_a, "sampling_params": GREEDY}, next(rooms))
     assert first.status_code == 200, first.text
     a = first.json()
@@ -65,6 +66,7 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
     # The transfer alone: the wait for prefill's compute is in TTFT, not in it (it was ~all of TTFT when it was).
     # Half, not less: on a loaded 2-core machine the scatter thread waits for a core and the ratio reached 0.4.
     assert 0 < transfer < ttft / 2
+    assert decode.metric("decode_worker_kv_handshake_seconds_count") - handshakes == 1
 
     before = decode.metric("decode_worker_kv_received_tokens_total")
     b = pd_generate(prefill, decode, {"text": text_b, "sampling_params": GREEDY}, next(rooms)).json()

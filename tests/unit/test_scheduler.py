@@ -231,6 +231,10 @@ def test_retraction_resumes_with_identical_output(tiny_models, prompts, referenc
         assert not recomputed, f"resumed requests recomputed KV they had (tokens had, found): {recomputed}"
         restored = sum(r for _, _, r in resumptions)
         assert restored > 0 and scheduler.cache.counters.loaded_back >= restored
+        timed = scheduler.metrics.registry.get_sample_value("decode_worker_load_back_seconds_count")
+        assert timed >= sum(1 for _, _, r in resumptions if r), "a restore from L2 went untimed"
+    for kind in ("extend", "decode"):
+        assert scheduler.metrics.registry.get_sample_value("decode_worker_forward_seconds_count", {"kind": kind}) > 0
     settle(scheduler)
 
 
