@@ -86,10 +86,20 @@ def router_auth(api_key: str) -> list[str]:
     return ["--api-key", api_key] if api_key else []
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def router_command(host: str, port: int, prefill_port: int, decode_port: int, metrics_port: int,
+                   api_key: str = "") -> list[str]:
+    """sglang-router in PD mode over one prefill and one decode worker on ``host``. Its Prometheus exporter gets
+    ``metrics_port``: its own default, 29000, makes a second router on the host panic at start."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", f"http://{host}:{prefill_port}", str(prefill_port), "--decode", f"http://{host}:{decode_port}",
+            "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+            *router_auth(api_key)]
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -115,12 +125,8 @@ def run_up(args: argparse.Namespace) -> int:
             dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)
         prefill_url = f"http://{args.host}:{args.prefill_port}"
         metrics_port = args.router_metrics_port or free_port(args.host)
-        dep.start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                             "--prefill", prefill_url, str(args.prefill_port),
-                             "--decode", f"http://{args.host}:{args.decode_port}",
-                             "--host", args.host, "--port", str(args.port),
-                             "--prometheus-host", args.host, "--prometheus-port", str(metrics_port)]
-                  + router_auth(args.api_key), env)
+        dep.start("router", router_command(args.host, args.port, args.prefill_port, args.decode_port, metrics_port,
+                                           args.api_key), env)
         dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
         url = f"http://{args.host}:{args.port}"
         print(f"PD deployment ready: router {url} (metrics :{metrics_port}), prefill {prefill_url}, "

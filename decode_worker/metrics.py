@@ -72,21 +72,6 @@ class _LiveCollector:
         yield GaugeMetricFamily(PREFIX + "running_requests", "Requests in the decode batch", value=queues.get("running", 0))
 
 
-class _ModelLabelled:
-    """The registry's families with a ``model_name`` label on every series, as vLLM and SGLang export it, so a
-    dashboard over several models can tell them apart; one place instead of a label at every call site."""
-
-    def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str]):
-        self.registry = registry
-        self.model_name = model_name
-
-    def collect(self):
-        name = self.model_name()
-        for family in self.registry.collect():
-            family.samples = [s._replace(labels={"model_name": name, **s.labels}) for s in family.samples]
-            yield family
-
-
 class Metrics:
     def __init__(self, model_name: str = "") -> None:
         self.model_name = model_name  # set once the model is known; labels every series
@@ -129,8 +114,11 @@ class Metrics:
         self.registry.register(_LiveCollector(cache_stats, queue_stats))
 
     def collect(self):
-        """Every family, each series labelled with the model's name."""
-        return _ModelLabelled(self.registry, lambda: self.model_name).collect()
+        """Every family, each series with a ``model_name`` label, as vLLM and SGLang export it, so a dashboard over
+        several models can tell them apart: one place instead of a label at every call site."""
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
+            yield family
 
     def render(self) -> bytes:
-        return generate_latest(_ModelLabelled(self.registry, lambda: self.model_name))
+        return generate_latest(self)  # through ``collect``: every series labelled

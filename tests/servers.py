@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 
 import httpx
 
+from decode_worker.launch import free_port, router_command
+
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # one name="value" pair of a Prometheus sample
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -97,11 +92,8 @@ def start_worker(name: str, log_dir: Path, role: str = "colocated", *flags: str,
 
 def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
     port = free_port()
-    prefill_port = prefill.url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--prefill", prefill.url, prefill_port, "--decode", decode.url,
-           "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(free_port())]  # its default, 29000, clashes with any other router here
+    prefill_port, decode_port = (int(p.url.rsplit(":", 1)[1]) for p in (prefill, decode))
+    cmd = router_command("127.0.0.1", port, prefill_port, decode_port, free_port())
     return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
 
 

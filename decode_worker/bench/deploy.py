@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode_worker.bench.modes import Mode
-from decode_worker.launch import Deployment, router_auth
+from decode_worker.launch import Deployment, free_port, router_command
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,6 @@ class DeploySpec:
         return self.log_dir / "l3"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[str]:
     cmd = [sys.executable, "-m", "decode_worker.cli", "serve", "--role", role, "--host", spec.host,
            "--port", str(port), "--max-total-tokens", str(l1_tokens), "--page-size", str(spec.page_size),
@@ -74,12 +67,8 @@ def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
                   + mode.decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy), env)
         for name, port in (("prefill", prefill_port), ("decode", decode_port)):
             dep.wait_healthy(name, url(port) + "/health", spec.startup_timeout_s)
-        dep.start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                             "--prefill", url(prefill_port), str(prefill_port), "--decode", url(decode_port),
-                             "--host", spec.host, "--port", str(router_port),
-                             # its Prometheus port defaults to 29000, which another deployment on the host may hold
-                             "--prometheus-host", spec.host, "--prometheus-port", str(metrics_port)]
-                  + router_auth(spec.api_key), env)
+        dep.start("router", router_command(spec.host, router_port, prefill_port, decode_port, metrics_port,
+                                           spec.api_key), env)
         dep.wait_healthy("router", url(router_port) + "/health", 60)
         yield Endpoints(url(router_port), url(decode_port), url(prefill_port))
     finally:

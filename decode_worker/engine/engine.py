@@ -160,6 +160,10 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.abort(rid)
 
+    def live_requests(self) -> list[str]:
+        """Ids of the requests not yet answered."""
+        return list(self.scheduler.requests) if self.scheduler is not None else []
+
     async def health_generate(self) -> None:
         """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping)."""
         scheduler = self.require_ready()

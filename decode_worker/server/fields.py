@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
@@ -88,8 +89,14 @@ def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
             _check(SGLangSamplingParams, p, SAMPLING, where, prefix)
 
 
+@cache
+def _known(model: type[BaseModel]) -> frozenset[str]:
+    """The fields ``model`` declares, by name and alias: computed once per model, not per request."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
 def _check(model: type[BaseModel], data: dict, table: dict, where: str, prefix: str) -> None:
-    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    known = _known(model)
     for name, value in data.items():
         if name in table:
             neutral, feature = table[name]

@@ -71,10 +71,8 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
 
 
 def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[GenerateInput]:
-    """``n`` inputs per prompt, prompt after prompt; a prompt is a text or a list of token ids, and so may a batch's
-    prompts be."""
-    batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-    prompts = body.prompt if batch else [body.prompt]
+    """``n`` inputs per prompt, prompt after prompt."""
+    prompts = _prompts(body)
     per_prompt(body, BOOTSTRAP, len(prompts))
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs needs the prompt's logprobs, which this worker does not compute")
@@ -188,13 +186,17 @@ def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> Sampl
                           top_logprobs=top_logprobs)
 
 
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The body's prompts: a text or a list of token ids, and so may a batch's prompts be."""
+    batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+    return body.prompt if batch else [body.prompt]
+
+
 def _echoes(body: CompletionRequest, inputs: list[GenerateInput], engine: Engine) -> list[str]:
     """Each choice's prompt as the caller sent it (token ids decoded) when ``echo`` asks for it, else ''."""
     if not body.echo:
         return [""] * len(inputs)
-    batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-    prompts = body.prompt if batch else [body.prompt]
-    texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
+    texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in _prompts(body)]
     return [texts[i // body.n] for i in range(len(inputs))]
 
 

@@ -96,7 +96,7 @@ async def abort_request(request: Request, engine: EngineDep) -> dict:
     """End a live request (or all with ``abort_all``): its client gets a 499 and its KV is freed. An unknown or
     finished id aborts nothing."""
     body = await parse_body(request, AbortRequest)
-    live = list(engine.scheduler.requests) if engine.scheduler is not None else []
+    live = engine.live_requests()
     rids = live if body.abort_all else [r for r in live if r == body.rid]
     for rid in rids:
         engine.abort(rid)
