@@ -10,7 +10,7 @@ from pathlib import Path
 
 from decode_worker.bench.command import add_bench_args, run_bench
 from decode_worker.config import ConfigError, add_config_args, config_from_args, config_from_env, package_version
-from decode_worker.launch import add_up_args, run_up
+from decode_worker.launch import add_up_args, check_up_args, run_up
 from decode_worker.model.config import ModelLoadError
 
 # `owner/name`, as on the Hugging Face Hub: what a missing --model-path looks like when it is a repo id.
@@ -76,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    check_up_args(args)
     check_model_path(args.model_path or config_from_env().model_path)  # the workers inherit the environment
     return run_up(args)
 
@@ -109,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run a worker (colocated, prefill or decode role)")
     add_config_args(srv)
     srv.set_defaults(func=_serve)
-    up = sub.add_parser("up", help="run a local PD deployment: sglang-router, a prefill and a decode worker")
+    up = sub.add_parser("up", help="run a local PD deployment: sglang-router, a prefill and decode workers "
+                                    "(with 2 or more, a redis-server as their shared L3)")
     add_up_args(up)
     up.set_defaults(func=_up)
     bench = sub.add_parser("bench", help="benchmark decode cache modes on shared-prefix and chat workloads")

@@ -1,19 +1,26 @@
-"""`decode-worker up`: a local PD deployment on loopback (sglang-router, one prefill, one decode worker)."""
+"""`decode-worker up`: a local PD deployment on loopback (sglang-router, one prefill, one or more decode workers,
+and with several decode workers a redis-server as their shared L3)."""
 from __future__ import annotations
 
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decode_worker.config import ConfigError
+
 CACHE_FLAGS = ["--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache"]
+# sglang-router's decode selection policies (`manual` needs a routing key per request: not offered here).
+DECODE_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 
 
 @dataclass
@@ -28,20 +35,20 @@ class Deployment:
         self.procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                   start_new_session=True)))
 
-    def wait_healthy(self, name: str, url: str, timeout_s: float) -> None:
+    def wait_ready(self, name: str, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll ``ready`` until it says yes, the child dies, or the deadline passes."""
         proc = dict(self.procs)[name]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
+            if ready():
+                return
             time.sleep(0.5)
-        raise RuntimeError(f"{name} not healthy at {url} after {timeout_s:.0f} s; see {self.log_dir / name}.log")
+        raise RuntimeError(f"{name} not ready at {what} after {timeout_s:.0f} s; see {self.log_dir / name}.log")
+
+    def wait_healthy(self, name: str, url: str, timeout_s: float) -> None:
+        self.wait_ready(name, lambda: http_ok(url), url, timeout_s)
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
@@ -61,11 +68,50 @@ class Deployment:
         raise RuntimeError(f"{', '.join(dead)} exited; see the logs in {self.log_dir}")
 
 
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def redis_ok(host: str, port: int) -> bool:
+    """A Redis PING answered, in the protocol's inline form: no client library needed to know it is up."""
+    try:
+        with socket.create_connection((host, port), timeout=2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def redis_command(host: str, port: int, workdir: Path, max_gb: float) -> list[str]:
+    """A redis-server used as a cache: no persistence, and past ``max_gb`` it drops the least recently used pages
+    (a missing page is an L3 miss, never an error)."""
+    return [shutil.which("redis-server") or "redis-server", "--bind", host, "--port", str(port), "--save", "",
+            "--appendonly", "no", "--dir", str(workdir), "--maxmemory", f"{int(max_gb * 2**30)}",
+            "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
+
+
 def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="router port (the one to curl)")
     parser.add_argument("--prefill-port", type=int, default=30001)
-    parser.add_argument("--decode-port", type=int, default=30002)
+    parser.add_argument("--decode-port", type=int, default=30002,
+                        help="the first decode worker's port; replica i listens on this port + i")
+    parser.add_argument("--decode-replicas", type=int, default=1,
+                        help="decode workers behind the router; with 2 or more they share an L3 in Redis")
+    parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default="round_robin",
+                        help="how the router picks a decode worker (sglang-router's --decode-policy). round_robin "
+                             "spreads evenly and the shared L3 serves prefixes across workers; sglang-router 0.3.2's "
+                             "cache_aware picks decode workers at random in PD mode (docs/scale-out.md)")
+    parser.add_argument("--redis-url", default=None,
+                        help="the decode workers' shared L3 (redis://host:port); unset with 2+ decode replicas: a "
+                             "redis-server started on a free port")
+    parser.add_argument("--redis-max-gb", type=float, default=2.0,
+                        help="memory of the redis-server `up` starts; past it, least recently used pages go")
+    parser.add_argument("--no-shared-l3", action="store_true", help="no L3: each decode worker caches on its own")
     parser.add_argument("--router-metrics-port", type=int, default=0,
                         help="the router's Prometheus port (0: a free one; sglang-router's own default, 29000, "
                              "would clash with a second deployment on the host)")
@@ -74,10 +120,40 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp folder)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--no-hicache", action="store_true", help="decode worker with the radix cache only")
+    parser.add_argument("--no-hicache", action="store_true", help="decode workers with the radix cache only")
     parser.add_argument("--api-key", default=os.environ.get("DECODE_WORKER_API_KEY", ""),
-                        help="require 'Authorization: Bearer <key>' at the router and both workers "
+                        help="require 'Authorization: Bearer <key>' at the router and every worker "
                              "(env DECODE_WORKER_API_KEY, which keeps it out of the workers' command lines)")
+
+
+def decode_ports(args: argparse.Namespace) -> list[int]:
+    return [args.decode_port + i for i in range(args.decode_replicas)]
+
+
+def shared_l3(args: argparse.Namespace) -> bool:
+    """An explicit --redis-url, or the default for two or more decode workers."""
+    return not args.no_shared_l3 and (args.redis_url is not None or args.decode_replicas > 1)
+
+
+def check_up_args(args: argparse.Namespace) -> None:
+    """Refuse, by flag name, settings that could only fail once processes are running."""
+    if args.decode_replicas < 1:
+        raise ConfigError(f"--decode-replicas must be at least 1, not {args.decode_replicas}")
+    ports = [args.port, args.prefill_port, *decode_ports(args)]
+    if len(set(ports)) != len(ports):
+        raise ConfigError(f"--port {args.port}, --prefill-port {args.prefill_port} and the decode ports "
+                          f"{decode_ports(args)} (--decode-port + replica) must all differ")
+    if args.redis_url is not None and args.no_shared_l3:
+        raise ConfigError("--redis-url and --no-shared-l3 contradict each other")
+    if args.redis_url is not None and not args.redis_url.startswith("redis://"):
+        raise ConfigError(f"--redis-url must look like redis://host:port, not {args.redis_url!r}")
+    if shared_l3(args) and args.no_hicache:
+        raise ConfigError("the shared L3 needs hicache on the decode workers: drop --no-hicache, or add --no-shared-l3")
+    if shared_l3(args) and args.redis_url is None and shutil.which("redis-server") is None:
+        raise ConfigError("redis-server is not installed: install it (Debian: apt-get install redis-server), give "
+                          "--redis-url, or turn the shared L3 off with --no-shared-l3")
+    if args.redis_max_gb <= 0:
+        raise ConfigError(f"--redis-max-gb must be positive, not {args.redis_max_gb}")
 
 
 def router_auth(api_key: str) -> list[str]:
@@ -92,14 +168,60 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def router_command(host: str, port: int, prefill_port: int, decode_port: int, metrics_port: int,
-                   api_key: str = "") -> list[str]:
-    """sglang-router in PD mode over one prefill and one decode worker on ``host``. Its Prometheus exporter gets
-    ``metrics_port``: its own default, 29000, makes a second router on the host panic at start."""
+def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequence[int], metrics_port: int,
+                   api_key: str = "", decode_policy: str | None = None) -> list[str]:
+    """sglang-router in PD mode over one prefill and the decode workers on ``host``. Its Prometheus exporter gets
+    ``metrics_port``: its own default, 29000, makes a second router on the host panic at start. ``decode_policy``
+    None keeps the router's default (cache_aware)."""
+    decodes = [arg for p in decode_ports for arg in ("--decode", f"http://{host}:{p}")]
+    policy = ["--decode-policy", decode_policy] if decode_policy else []
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", f"http://{host}:{prefill_port}", str(prefill_port), "--decode", f"http://{host}:{decode_port}",
+            "--prefill", f"http://{host}:{prefill_port}", str(prefill_port), *decodes, *policy,
             "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(metrics_port),
             *router_auth(api_key)]
+
+
+def storage_flags(redis_url: str) -> list[str]:
+    return ["--hicache-storage-backend", "redis", "--hicache-storage-url", redis_url]
+
+
+def _start_redis(dep: Deployment, args: argparse.Namespace, env: dict[str, str]) -> str:
+    """The URL of the shared L3: the one given, or a redis-server started here on a free port."""
+    if args.redis_url is not None:
+        return args.redis_url
+    port = free_port(args.host)
+    dep.start("redis", redis_command(args.host, port, dep.log_dir, args.redis_max_gb), env)
+    dep.wait_ready("redis", lambda: redis_ok(args.host, port), f"{args.host}:{port}", 30)
+    return f"redis://{args.host}:{port}"
+
+
+def _start_workers(dep: Deployment, args: argparse.Namespace, env: dict[str, str], redis_url: str | None) -> None:
+    common = ["--host", args.host, "--max-total-tokens", str(args.max_total_tokens), "--page-size", str(args.page_size)]
+    if args.model_path:
+        common += ["--model-path", args.model_path]
+    worker = [sys.executable, "-m", "decode_worker.cli", "serve"]
+    cache = CACHE_FLAGS[:1] if args.no_hicache else CACHE_FLAGS
+    storage = storage_flags(redis_url) if redis_url else []
+    dep.start("prefill", worker + ["--role", "prefill", "--port", str(args.prefill_port)] + common, env)
+    for i, port in enumerate(decode_ports(args)):
+        dep.start(f"decode-{i}", worker + ["--role", "decode", "--port", str(port), "--bootstrap-port",
+                                           str(args.prefill_port)] + common + cache + storage, env)
+    names = ["prefill", *(f"decode-{i}" for i in range(args.decode_replicas))]
+    for name, port in zip(names, [args.prefill_port, *decode_ports(args)]):
+        dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)
+
+
+def _print_ready(args: argparse.Namespace, metrics_port: int, redis_url: str | None, log_dir: Path) -> None:
+    url = f"http://{args.host}:{args.port}"
+    decodes = ", ".join(f"http://{args.host}:{p}" for p in decode_ports(args))
+    print(f"PD deployment ready: router {url} (metrics :{metrics_port}, decode policy {args.decode_policy}), "
+          f"prefill http://{args.host}:{args.prefill_port}, decode {decodes}"
+          + (f", shared L3 {redis_url}" if redis_url else ""))
+    print(f"logs: {log_dir}")
+    auth = " -H \"Authorization: Bearer $DECODE_WORKER_API_KEY\"" if args.api_key else ""
+    print(f"try:\n  curl -s {url}/generate{auth} -H 'content-type: application/json' "
+          "-d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'",
+          flush=True)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -110,32 +232,16 @@ def run_up(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("DECODE_WORKER_PD_TOKEN", secrets.token_hex(16))
     env["DECODE_WORKER_API_KEY"] = args.api_key  # the workers read it from here; empty leaves them open
-    common = ["--host", args.host, "--max-total-tokens", str(args.max_total_tokens), "--page-size", str(args.page_size)]
-    if args.model_path:
-        common += ["--model-path", args.model_path]
-    worker = [sys.executable, "-m", "decode_worker.cli", "serve"]
-    cache = CACHE_FLAGS[:1] if args.no_hicache else CACHE_FLAGS
     dep = Deployment(log_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        dep.start("prefill", worker + ["--role", "prefill", "--port", str(args.prefill_port)] + common, env)
-        dep.start("decode", worker + ["--role", "decode", "--port", str(args.decode_port),
-                                      "--bootstrap-port", str(args.prefill_port)] + common + cache, env)
-        for name, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
-            dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)
-        prefill_url = f"http://{args.host}:{args.prefill_port}"
+        redis_url = _start_redis(dep, args, env) if shared_l3(args) else None
+        _start_workers(dep, args, env, redis_url)
         metrics_port = args.router_metrics_port or free_port(args.host)
-        dep.start("router", router_command(args.host, args.port, args.prefill_port, args.decode_port, metrics_port,
-                                           args.api_key), env)
+        dep.start("router", router_command(args.host, args.port, args.prefill_port, decode_ports(args), metrics_port,
+                                           args.api_key, args.decode_policy), env)
         dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
-        url = f"http://{args.host}:{args.port}"
-        print(f"PD deployment ready: router {url} (metrics :{metrics_port}), prefill {prefill_url}, "
-              f"decode http://{args.host}:{args.decode_port}")
-        print(f"logs: {log_dir}")
-        auth = " -H \"Authorization: Bearer $DECODE_WORKER_API_KEY\"" if args.api_key else ""
-        print(f"try:\n  curl -s {url}/generate{auth} -H 'content-type: application/json' "
-              "-d '{\"text\": \"The capital of France is\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'",
-              flush=True)
+        _print_ready(args, metrics_port, redis_url, log_dir)
         dep.watch()
     except KeyboardInterrupt:
         pass

@@ -93,7 +93,7 @@ def start_worker(name: str, log_dir: Path, role: str = "colocated", *flags: str,
 def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
     port = free_port()
     prefill_port, decode_port = (int(p.url.rsplit(":", 1)[1]) for p in (prefill, decode))
-    cmd = router_command("127.0.0.1", port, prefill_port, decode_port, free_port())
+    cmd = router_command("127.0.0.1", port, prefill_port, [decode_port], free_port())
     return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
 
 

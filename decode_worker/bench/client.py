@@ -32,19 +32,20 @@ class RequestResult:
     error: str | None = None
 
 
-def _body(prompt: list[int], output_len: int) -> dict:
-    return {"input_ids": prompt, "stream": True,
+def _body(prompt: list[int], output_len: int, text: str | None) -> dict:
+    return {**({"text": text} if text is not None else {"input_ids": prompt}), "stream": True,
             "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
 
 
 async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
-                   t0: float) -> RequestResult:
-    """One streamed request. Chunks carry the output so far; errors come as a status or an error chunk."""
+                   t0: float, text: str | None = None) -> RequestResult:
+    """One streamed request, as ids, or as ``text`` (``prompt``'s text, for a router that routes on text).
+    Chunks carry the output so far; errors come as a status or an error chunk."""
     start = time.perf_counter()
     res = RequestResult(prompt, start - t0)
     last = start
     try:
-        async with http.stream("POST", target.url + "/generate", json=_body(prompt, output_len),
+        async with http.stream("POST", target.url + "/generate", json=_body(prompt, output_len, text),
                                headers=target.headers) as resp:
             if resp.status_code != 200:
                 res.error = f"{resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
@@ -77,9 +78,10 @@ def http_client(connections: int) -> httpx.AsyncClient:
 
 
 async def run_prompts(target: Target, prompts: list[list[int]], output_len: int, concurrency: int,
-                      request_rate: float, seed: int, done: Callable[[], None]) -> list[RequestResult]:
+                      request_rate: float, seed: int, done: Callable[[], None],
+                      texts: list[str] | None = None) -> list[RequestResult]:
     """Send in list order: at most ``concurrency`` in flight, arrivals Poisson at ``request_rate`` per second
-    (all at once when it is infinite)."""
+    (all at once when it is infinite); as ``texts`` when given."""
     rng = random.Random(f"arrivals-{seed}")
     gate = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
@@ -88,15 +90,16 @@ async def run_prompts(target: Target, prompts: list[list[int]], output_len: int,
         arrivals.append(at)
         at += rng.expovariate(request_rate) if request_rate != float("inf") else 0.0
 
-    async def one(prompt: list[int], arrival: float, http: httpx.AsyncClient) -> RequestResult:
+    async def one(prompt: list[int], text: str | None, arrival: float, http: httpx.AsyncClient) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
         async with gate:
-            res = await generate(http, target, prompt, output_len, t0)
+            res = await generate(http, target, prompt, output_len, t0, text)
         done()
         return res
 
+    sent_as = texts if texts is not None else [None] * len(prompts)
     async with http_client(concurrency) as http:
-        return list(await asyncio.gather(*(one(p, a, http) for p, a in zip(prompts, arrivals))))
+        return list(await asyncio.gather(*(one(p, t, a, http) for p, t, a in zip(prompts, sent_as, arrivals))))
 
 
 async def run_chat(target: Target, convs: list[Conversation], rounds: int, output_len: int,

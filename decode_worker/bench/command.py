@@ -3,7 +3,8 @@
 The CPU default scales the reference (SGLang decode HiCache, Qwen3-32B on H200s: 16,384-token prefixes, 4,608-token
 suffixes, 350 output tokens, concurrency 8, ~162K tokens of device KV) down to SmolLM2 on a couple of cores, so
 that both shapes, the chat workload and every mode finish in about a quarter of an hour. `--reference` runs the
-reference's own shape (on a GPU, with a long-context model given by --model-path).
+reference's own shape (on a GPU, with a long-context model given by --model-path). `--scale-out` compares decode
+pod counts and routings instead of cache modes (bench/scale_out.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from decode_worker.config import ConfigError
 if TYPE_CHECKING:  # the heavier modules load when the command runs, not whenever the CLI parses flags
     from decode_worker.bench.deploy import DeploySpec
     from decode_worker.bench.runner import Plan
+    from decode_worker.bench.scale_out import ScalePlan
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Scale:
 
 CPU = Scale(prefix_len=64, suffix_len=16, output_len=4, concurrency=8, l1_tokens=None, dtype="bfloat16",
             chat="8x4", chat_first_len=64, chat_turn_len=16)
+SHAPES = [(10, 50), (50, 10)]
+# More groups than one pod's L1 holds prefixes, and 8 prompts per group: round robin over 4 pods sends each group
+# to each pod twice, so half the repeats of a prefix meet a pod that never saw it.
+SCALE_OUT_SHAPES = [(32, 8)]
 REFERENCE = Scale(prefix_len=16384, suffix_len=4608, output_len=350, concurrency=8, l1_tokens=162_000,
                   dtype="bfloat16", chat="8x8", chat_first_len=4096, chat_turn_len=512)
 
@@ -62,14 +68,16 @@ def _chat(text: str) -> str:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     from decode_worker.bench.modes import MODES
+    from decode_worker.bench.scale_out import ROUTINGS
 
     p.description = ("Replay shared-prefix and multi-turn chat workloads through a PD deployment per decode cache mode "
                      "(or one you started) and report latency, throughput, per-tier hit rates and KV bytes received.")
     w = p.add_argument_group("workload (unset: the CPU default, or the reference's with --reference)")
     w.add_argument("--reference", action="store_true",
                    help="the reference's shape: 16384 + 4608 tokens, 350 out, concurrency 8, 162K-token L1, bfloat16")
-    w.add_argument("--shapes", type=_grid, nargs="+", default=[(10, 50), (50, 10)], metavar="GROUPSxPROMPTS",
-                   help="shared-prefix shapes: groups x prompts per group")
+    w.add_argument("--shapes", type=_grid, nargs="+", metavar="GROUPSxPROMPTS",
+                   help=f"shared-prefix shapes: groups x prompts per group (default {_shape_names(SHAPES)}; "
+                        f"with --scale-out {_shape_names(SCALE_OUT_SHAPES)})")
     w.add_argument("--prefix-len", type=int, help=f"shared prefix tokens (CPU {CPU.prefix_len})")
     w.add_argument("--suffix-len", type=int, help=f"unique suffix tokens (CPU {CPU.suffix_len})")
     w.add_argument("--output-len", type=int, help=f"output tokens per request (CPU {CPU.output_len})")
@@ -82,7 +90,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals per second, capped by --concurrency; inf sends as fast as the cap allows")
     w.add_argument("--seed", type=int, default=0, help="seeds prefixes, suffixes, shuffle and arrivals")
     d = p.add_argument_group("deployment (one per mode, on loopback)")
-    d.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="decode cache modes, in order")
+    d.add_argument("--modes", nargs="+", choices=list(MODES), help="decode cache modes, in order (default: all)")
     d.add_argument("--model-path", default=None, help="the workers' model; unset: the embedded SmolLM2")
     d.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=f"weights and KV (CPU {CPU.dtype})")
     d.add_argument("--page-size", type=int, default=16)
@@ -103,9 +111,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", help="router URL")
     g.add_argument("--decode-url", help="decode worker URL, for its /metrics (hit rates, KV bytes, TTFT parts)")
     g.add_argument("--prefill-url", help="prefill worker URL, for its /metrics (TTFT parts)")
+    s = p.add_argument_group("scale-out (decode pods behind one router, instead of cache modes)")
+    s.add_argument("--scale-out", action="store_true",
+                   help="replay the shared-prefix trace through 1, 2, 4... decode pods per routing; the hit rate is "
+                        "summed over the pods")
+    s.add_argument("--decode-pods", type=int, nargs="+", default=[1, 2, 4], help="decode pod counts, in order")
+    s.add_argument("--routings", nargs="+", choices=list(ROUTINGS), default=list(ROUTINGS),
+                   help="round_robin and cache_aware: sglang-router's decode policies over pod-local caches; "
+                        "round_robin_l3 and cache_aware_l3: the same over pods that share one Redis as L3")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench/results", help="folder for NAME.json, NAME.md and NAME.png")
-    o.add_argument("--name", default="bench", help="file name of the outputs")
+    o.add_argument("--name", help="file name of the outputs (default bench, with --scale-out scale_out)")
 
 
 def _resolve(args: argparse.Namespace) -> Scale:
@@ -114,10 +130,21 @@ def _resolve(args: argparse.Namespace) -> Scale:
     return Scale(**{k: getattr(args, k) if getattr(args, k) is not None else v for k, v in asdict(base).items()})
 
 
-def _workloads(s: Scale, args: argparse.Namespace) -> list:
-    from decode_worker.bench.workload import ChatSpec, SharedPrefixSpec
+def _shape_names(shapes: list[tuple[int, int]]) -> str:
+    return " ".join(f"{g}x{n}" for g, n in shapes)
 
-    out: list = [SharedPrefixSpec(g, n, s.prefix_len, s.suffix_len, s.output_len, args.seed) for g, n in args.shapes]
+
+def _shared_prefix(s: Scale, args: argparse.Namespace) -> list:
+    from decode_worker.bench.workload import SharedPrefixSpec
+
+    shapes = args.shapes or (SCALE_OUT_SHAPES if args.scale_out else SHAPES)
+    return [SharedPrefixSpec(g, n, s.prefix_len, s.suffix_len, s.output_len, args.seed) for g, n in shapes]
+
+
+def _workloads(s: Scale, args: argparse.Namespace) -> list:
+    from decode_worker.bench.workload import ChatSpec
+
+    out: list = _shared_prefix(s, args)
     if s.chat != "none":
         clients, rounds = _grid(s.chat)
         out.append(ChatSpec(clients, rounds, s.chat_first_len, s.chat_turn_len, s.output_len, args.seed))
@@ -144,67 +171,174 @@ def _l1_tokens(s: Scale, args: argparse.Namespace) -> int:
     return -(-int(tokens) // args.page_size) * args.page_size
 
 
-def _plan(args: argparse.Namespace) -> tuple[Plan, DeploySpec, dict]:
-    """The run's plan, deployment spec and the settings the JSON records; ConfigError for what cannot run."""
-    from decode_worker.bench.deploy import DeploySpec
-    from decode_worker.bench.modes import MODES, Mode, check_order
-    from decode_worker.bench.runner import Plan
+def _model(args: argparse.Namespace):
+    """The model's path (the embedded one when unset) and its config."""
     from decode_worker.model.embedded import ensure_default_model
     from decode_worker.model.loader import read_config
 
-    s = _resolve(args)
     model_path = args.model_path or str(ensure_default_model())
-    model = read_config(Path(model_path).expanduser())
+    return model_path, read_config(Path(model_path).expanduser())
+
+
+def _check_context(longest: int, model) -> None:
+    if longest > model.max_context:
+        raise ConfigError(f"the longest request has {longest} tokens, past the model's context of {model.max_context}:"
+                          " give --model-path a longer-context model, or shorter lengths")
+
+
+def _spec(args: argparse.Namespace, s: Scale, model_path: str) -> DeploySpec:
+    from decode_worker.bench.deploy import DeploySpec
+
+    l1 = _l1_tokens(s, args)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="decode-worker-bench-"))
+    return DeploySpec(model_path, s.dtype, args.page_size, l1, args.prefill_l1_tokens or l1, args.hicache_ratio,
+                      args.prefetch_policy, args.api_key, log_dir, args.startup_timeout)
+
+
+def _settings(args: argparse.Namespace, s: Scale, model, spec: DeploySpec, workloads: list) -> dict:
+    return {**asdict(s), "model": model.name, "workloads": [w.name for w in workloads], "page_size": args.page_size,
+            "l1_tokens": spec.l1_tokens, "prefill_l1_tokens": spec.prefill_l1_tokens,
+            "hicache_ratio": args.hicache_ratio, "prefetch_policy": args.prefetch_policy, "seed": args.seed,
+            "request_rate": None if args.request_rate == float("inf") else args.request_rate}
+
+
+def _plan(args: argparse.Namespace) -> tuple[Plan, DeploySpec, dict]:
+    """The run's plan, deployment spec and the settings the JSON records; ConfigError for what cannot run."""
+    from decode_worker.bench.modes import MODES, Mode, check_order
+    from decode_worker.bench.runner import Plan
+
+    s = _resolve(args)
+    model_path, model = _model(args)
     workloads = _workloads(s, args)
-    modes = [Mode("given")] if args.url else [MODES[m] for m in args.modes]
+    modes = [Mode("given")] if args.url else [MODES[m] for m in args.modes or MODES]
     try:
         check_order([m.name for m in modes])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    longest = _longest_request(workloads, any(m.restart for m in modes))
-    if longest > model.max_context:
-        raise ConfigError(f"the longest request has {longest} tokens, past the model's context of {model.max_context}:"
-                          " give --model-path a longer-context model, or shorter lengths")
-    l1 = _l1_tokens(s, args)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="decode-worker-bench-"))
-    spec = DeploySpec(model_path, s.dtype, args.page_size, l1, args.prefill_l1_tokens or l1, args.hicache_ratio,
-                      args.prefetch_policy, args.api_key, log_dir, args.startup_timeout)
+    _check_context(_longest_request(workloads, any(m.restart for m in modes)), model)
+    spec = _spec(args, s, model_path)
     plan = Plan(workloads, modes, s.concurrency, args.request_rate, args.page_size, model.vocab_size, args.seed,
                 args.api_key)
-    settings = {**asdict(s), "model": model.name, "workloads": [w.name for w in workloads],
-                "modes": [m.name for m in modes], "page_size": args.page_size, "l1_tokens": l1,
-                "prefill_l1_tokens": spec.prefill_l1_tokens, "hicache_ratio": args.hicache_ratio,
-                "prefetch_policy": args.prefetch_policy, "seed": args.seed, "url": args.url,
-                "request_rate": None if args.request_rate == float("inf") else args.request_rate}
+    settings = {**_settings(args, s, model, spec, workloads), "modes": [m.name for m in modes], "url": args.url}
     return plan, spec, settings
 
 
-def _write(out_dir: Path, name: str, rows: list, line: str, md: str, title: str) -> None:
+def _check_scale_out_args(args: argparse.Namespace) -> None:
+    """Flags of the cache-mode comparison that a scale-out run would otherwise ignore, refused by name."""
+    given = [flag for flag, value in (("--url", args.url), ("--decode-url", args.decode_url),
+                                      ("--prefill-url", args.prefill_url), ("--modes", args.modes),
+                                      ("--chat", args.chat)) if value is not None]
+    if given:
+        raise ConfigError(f"--scale-out starts its own deployments and replays the shared-prefix trace only: drop "
+                          f"{', '.join(given)}")
+    if min(args.decode_pods) < 1:
+        raise ConfigError(f"--decode-pods must all be at least 1, not {args.decode_pods}")
+
+
+def _scale_plan(args: argparse.Namespace) -> tuple[ScalePlan, DeploySpec, dict]:
+    """The scale-out run's plan: the shared-prefix traces as text the router can route on."""
+    from decode_worker.bench.scale_out import ROUTINGS, ScalePlan, Trace
+    from decode_worker.bench.text_prompts import as_texts, load_tokenizer, round_trip_words
+    from decode_worker.bench.workload import shared_prefix_trace
+
+    _check_scale_out_args(args)
+    s = _resolve(args)
+    model_path, model = _model(args)
+    workloads = _shared_prefix(s, args)
+    _check_context(_longest_request(workloads, False), model)
+    tokenizer = load_tokenizer(model_path)
+    words = round_trip_words(tokenizer)
+    traces = []
+    for w in workloads:
+        ids = [p.ids for p in shared_prefix_trace(w, words)]
+        traces.append(Trace(w, ids, as_texts(tokenizer, ids)))
+    spec = _spec(args, s, model_path)
+    routings = [ROUTINGS[r] for r in dict.fromkeys(args.routings)]
+    plan = ScalePlan(traces, list(dict.fromkeys(args.decode_pods)), routings, s.concurrency, args.request_rate,
+                     args.page_size, args.seed, words, lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                     args.api_key)
+    settings = {k: v for k, v in _settings(args, s, model, spec, workloads).items() if not k.startswith("chat")}
+    settings |= {"decode_pods": plan.pods, "routings": [r.name for r in routings], "sent_as": "text"}
+    return plan, spec, settings
+
+
+def _write(out_dir: Path, name: str, rows: list, line: str, md: str, title: str, column=None) -> None:
     from decode_worker.bench.plot import plot
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(line + "\n")
     (out_dir / f"{name}.md").write_text(f"{title}\n\n{md}")
-    plot(rows, out_dir / f"{name}.png", title)
+    plot(rows, out_dir / f"{name}.png", title, *([column] if column else []))
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def _progress_bar(total: int):
+    """A stderr progress bar and the ``progress(label)`` callback the runners take."""
     from tqdm import tqdm
 
-    from decode_worker.bench.deploy import Endpoints
-    from decode_worker.bench.machine import machine
-    from decode_worker.bench.report import json_line, table
-    from decode_worker.bench.runner import run
-
-    plan, spec, settings = _plan(args)
-    given = Endpoints(args.url.rstrip("/"), args.decode_url, args.prefill_url) if args.url else None
-    host = machine()
-    bar = tqdm(total=plan.total_requests, unit="req", file=sys.stderr, mininterval=1.0)
+    bar = tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0)
 
     def progress(label: str):
         bar.set_description(label)
         return lambda: bar.update(1)
 
+    return bar, progress
+
+
+def _finish(args: argparse.Namespace, spec: DeploySpec, rows: list, host: dict, settings: dict, md: str,
+            title: str, name: str, column=None) -> int:
+    from decode_worker.bench.report import json_line
+
+    host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    line = json_line(rows, host, settings)
+    _write(Path(args.out), name, rows, line, md, title, column)
+    print(md, file=sys.stderr)
+    print(f"logs: {spec.log_dir}; outputs: {Path(args.out) / name}.{{json,md,png}}", file=sys.stderr)
+    print(line, flush=True)
+    return 0
+
+
+def _title(settings: dict, spec: DeploySpec, concurrency: int, host: dict) -> str:
+    return (f"{settings['model']} {spec.dtype}, prefix {settings['prefix_len']} + suffix {settings['suffix_len']}, "
+            f"{settings['output_len']} out, concurrency {concurrency}, L1 {spec.l1_tokens} tokens"
+            f"{' per decode pod' if 'decode_pods' in settings else ''}; {host['cpu']} x{host['cores']}")
+
+
+def run_scale_out(args: argparse.Namespace) -> int:
+    import time
+
+    from decode_worker.bench.machine import machine
+    from decode_worker.bench.scale_out import run_scale_out as run
+    from decode_worker.bench.scale_report import table
+
+    plan, spec, settings = _scale_plan(args)
+    host = machine()
+    bar, progress = _progress_bar(plan.total_requests)
+    start = time.monotonic()
+    try:
+        rows = run(plan, spec, progress)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    host["wall_s"] = round(time.monotonic() - start, 1)
+    title = f"decode-worker bench --scale-out: {_title(settings, spec, plan.concurrency, host)}; {host['wall_s']:.0f} s"
+    return _finish(args, spec, rows, host, settings, table(rows), title, args.name or "scale_out",
+                   lambda r: f"{r.workload}, {r.pods} decode pod{'s' if r.pods > 1 else ''}")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from decode_worker.bench.deploy import Endpoints
+    from decode_worker.bench.machine import machine
+    from decode_worker.bench.report import table
+    from decode_worker.bench.runner import run
+
+    if args.scale_out:
+        return run_scale_out(args)
+    plan, spec, settings = _plan(args)
+    given = Endpoints(args.url.rstrip("/"), args.decode_url, args.prefill_url) if args.url else None
+    host = machine()
+    bar, progress = _progress_bar(plan.total_requests)
     try:
         rows = run(plan, None if given else spec, given, progress)
     except RuntimeError as e:
@@ -213,13 +347,5 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         shutil.rmtree(spec.storage_dir, ignore_errors=True)
-    host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    line, md = json_line(rows, host, settings), table(rows)
-    title = (f"decode-worker bench: {settings['model']} {spec.dtype}, prefix {settings['prefix_len']} + suffix "
-             f"{settings['suffix_len']}, {settings['output_len']} out, concurrency {plan.concurrency}, "
-             f"L1 {spec.l1_tokens} tokens; {host['cpu']} x{host['cores']}")
-    _write(Path(args.out), args.name, rows, line, md, title)
-    print(md, file=sys.stderr)
-    print(f"logs: {spec.log_dir}; outputs: {Path(args.out) / args.name}.{{json,md,png}}", file=sys.stderr)
-    print(line, flush=True)
-    return 0
+    title = f"decode-worker bench: {_title(settings, spec, plan.concurrency, host)}"
+    return _finish(args, spec, rows, host, settings, table(rows), title, args.name or "bench")

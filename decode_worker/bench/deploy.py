@@ -41,7 +41,7 @@ class DeploySpec:
         return self.log_dir / "l3"
 
 
-def _worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[str]:
+def worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[str]:
     cmd = [sys.executable, "-m", "decode_worker.cli", "serve", "--role", role, "--host", spec.host,
            "--port", str(port), "--max-total-tokens", str(l1_tokens), "--page-size", str(spec.page_size),
            "--dtype", spec.dtype]
@@ -61,13 +61,13 @@ def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
 
     dep = Deployment(log_dir)
     try:
-        dep.start("prefill", _worker_cmd(spec, "prefill", prefill_port, spec.prefill_l1_tokens), env)
-        dep.start("decode", _worker_cmd(spec, "decode", decode_port, spec.l1_tokens)
+        dep.start("prefill", worker_cmd(spec, "prefill", prefill_port, spec.prefill_l1_tokens), env)
+        dep.start("decode", worker_cmd(spec, "decode", decode_port, spec.l1_tokens)
                   + ["--bootstrap-port", str(prefill_port)]
                   + mode.decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy), env)
         for name, port in (("prefill", prefill_port), ("decode", decode_port)):
             dep.wait_healthy(name, url(port) + "/health", spec.startup_timeout_s)
-        dep.start("router", router_command(spec.host, router_port, prefill_port, decode_port, metrics_port,
+        dep.start("router", router_command(spec.host, router_port, prefill_port, [decode_port], metrics_port,
                                            spec.api_key), env)
         dep.wait_healthy("router", url(router_port) + "/health", 60)
         yield Endpoints(url(router_port), url(decode_port), url(prefill_port))

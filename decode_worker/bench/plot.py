@@ -3,7 +3,7 @@ client's TTFT per mode (bottom: bar p50, whisker to p90)."""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from decode_worker.bench.runner import Row
@@ -11,16 +11,17 @@ from decode_worker.bench.runner import Row
 TIER_COLOURS = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
 
 
-def plot(rows: Sequence[Row], path: Path, title: str) -> None:
+def plot(rows: Sequence[Row], path: Path, title: str, column: Callable[[Row], str] = lambda r: r.workload) -> None:
+    """One column of panels per ``column(row)``: a workload, or (scale-out) a pod count; a bar per mode."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server
     import matplotlib.pyplot as plt
 
-    workloads = list(dict.fromkeys(r.workload for r in rows))
+    workloads = list(dict.fromkeys(column(r) for r in rows))
     fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 7), squeeze=False)
     for col, workload in enumerate(workloads):
-        group = [r for r in rows if r.workload == workload]
+        group = [r for r in rows if column(r) == workload]
         x = range(len(group))
         hits, ttft = axes[0][col], axes[1][col]
         bottom = [0.0] * len(group)

@@ -40,6 +40,11 @@ class Scrape:
     def __sub__(self, before: Scrape) -> Scrape:
         return Scrape({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
 
+    def __add__(self, other: Scrape) -> Scrape:
+        """Series summed over two workers: the figures of a fleet of decode pods as one."""
+        keys = self.samples.keys() | other.samples.keys()
+        return Scrape({k: self.samples.get(k, 0.0) + other.samples.get(k, 0.0) for k in keys})
+
 
 async def scrape(http: httpx.AsyncClient, url: str) -> Scrape:
     resp = await http.get(url + "/metrics", timeout=30)

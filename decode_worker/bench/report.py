@@ -31,18 +31,18 @@ def json_line(rows: Sequence[Row], machine: dict, settings: dict) -> str:
                                 "rows": [r.to_dict() for r in rows], "missing_timings": MISSING_TIMINGS}))
 
 
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}"
 
 
-def _hits(row: Row) -> str:
+def hits(row: Row) -> str:
     h = row.workers.hit_rate
     if h is None:
         return "–"
     return f"{h['device']:.0%} / {h['host']:.0%} / {h['storage']:.0%} = **{h['total']:.0%}**"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
+def ratio(a: float | None, b: float | None) -> str:
     return "–" if a is None or not b else f"{a / b:.2f}x"
 
 
@@ -65,16 +65,16 @@ def table(rows: Sequence[Row]) -> str:
         base = next((r for r in group if r.mode == base_mode), group[0])
         for r in group:
             c, w, t = r.client, r.workers, r.workers.ttft_parts_s
-            kv = _fmt(w.kv_received_bytes, 1e-6, 1)
+            kv = fmt(w.kv_received_bytes, 1e-6, 1)
             failed = f" ({c.failed} failed)" if c.failed else ""
             lines.append(
-                f"| {workload} | {r.mode}{failed} | {_hits(r)} | {r.unbounded_hit_rate:.0%} | {kv} "
-                f"| {_fmt(c.ttft_s['p50'])} / {_fmt(c.ttft_s['p90'])} / {_fmt(c.ttft_s['p99'])} "
-                f"| {_fmt(c.itl_s['p50'], 1e3, 0)} / {_fmt(c.itl_s['p99'], 1e3, 0)} | {_fmt(c.e2e_s['p50'])} "
+                f"| {workload} | {r.mode}{failed} | {hits(r)} | {r.unbounded_hit_rate:.0%} | {kv} "
+                f"| {fmt(c.ttft_s['p50'])} / {fmt(c.ttft_s['p90'])} / {fmt(c.ttft_s['p99'])} "
+                f"| {fmt(c.itl_s['p50'], 1e3, 0)} / {fmt(c.itl_s['p99'], 1e3, 0)} | {fmt(c.e2e_s['p50'])} "
                 f"| {c.request_throughput:.2f} | {c.output_throughput:.1f} "
-                f"| {_ratio(c.ttft_s['p50'], base.client.ttft_s['p50'])} "
-                f"| {_ratio(c.request_throughput, base.client.request_throughput)} |")
-            means = " | ".join(_fmt(t[k], 1.0, 3) for k in PARTS)
+                f"| {ratio(c.ttft_s['p50'], base.client.ttft_s['p50'])} "
+                f"| {ratio(c.request_throughput, base.client.request_throughput)} |")
+            means = " | ".join(fmt(t[k], 1.0, 3) for k in PARTS)
             parts.append(f"| {workload} | {r.mode} | {means} | {r.load_average[0]:.1f} → {r.load_average[1]:.1f} |")
     notes = [RESTART_NOTE] if any(r.mode == "restart" for r in rows) else []
     parts_title = "TTFT parts (mean seconds, from the workers' histograms):"

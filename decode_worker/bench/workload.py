@@ -9,6 +9,7 @@ question; the next round of a conversation is only known once the previous answe
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -32,19 +33,22 @@ class Prompt:
     ids: list[int]
 
 
-def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(vocab_size) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, vocab: int | Sequence[int]) -> list[int]:
+    """``n`` ids drawn from ``range(vocab)``, or from the given ids (the same draws either way for a range)."""
+    pool = range(vocab) if isinstance(vocab, int) else vocab
+    return [rng.choice(pool) for _ in range(n)]
 
 
-def shared_prefix_trace(spec: SharedPrefixSpec, vocab_size: int, round_: int = 0) -> list[Prompt]:
-    """The prompts in send order. Prefixes and order depend on the seed and the shape (two shapes share no
-    prefix, so L3 pages one left never serve the other), suffixes also on the round."""
+def shared_prefix_trace(spec: SharedPrefixSpec, vocab: int | Sequence[int], round_: int = 0) -> list[Prompt]:
+    """The prompts in send order, over ``vocab`` (a vocabulary size, or the ids to draw from). Prefixes and order
+    depend on the seed and the shape (two shapes share no prefix, so L3 pages one left never serve the other),
+    suffixes also on the round."""
     rng = random.Random(f"prefix-{spec.seed}-{spec.name}")
-    prefixes = [_tokens(rng, spec.prefix_len, vocab_size) for _ in range(spec.groups)]
+    prefixes = [_tokens(rng, spec.prefix_len, vocab) for _ in range(spec.groups)]
     order = [g for _ in range(spec.prompts_per_group) for g in range(spec.groups)]
     rng.shuffle(order)
     suffix_rng = random.Random(f"suffix-{spec.seed}-{spec.name}-{round_}")
-    return [Prompt(g, prefixes[g] + _tokens(suffix_rng, spec.suffix_len, vocab_size)) for g in order]
+    return [Prompt(g, prefixes[g] + _tokens(suffix_rng, spec.suffix_len, vocab)) for g in order]
 
 
 @dataclass(frozen=True)

@@ -54,3 +54,45 @@ def test_up(tmp_path, tiny_chat_model, key):
             assert worker_load.status_code == 200
     finally:
         proc.stop()
+
+
+# -- several decode workers: what `up` refuses before starting anything, and the router it would start ------------
+# (tests/integration/test_scale_out.py runs `up --decode-replicas 2` end to end.)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--decode-replicas", "0"], "--decode-replicas must be at least 1, not 0"),
+    (["--decode-replicas", "2", "--decode-port", "30000"], "must all differ"),
+    (["--decode-replicas", "3", "--decode-port", "29999"], "must all differ"),  # replicas on --port, --prefill-port
+    (["--redis-url", "redis://127.0.0.1:6379", "--no-shared-l3"], "contradict each other"),
+    (["--redis-url", "127.0.0.1:6379"], "--redis-url must look like redis://host:port"),
+    (["--decode-replicas", "2", "--no-hicache"], "the shared L3 needs hicache"),
+    (["--decode-replicas", "2", "--redis-max-gb", "0"], "--redis-max-gb must be positive"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_up_refuses_settings_that_cannot_run(flags, message, monkeypatch, capsys):
+    from decode_worker import cli
+
+    def refuse(*_):
+        raise AssertionError("started despite a bad setting")
+
+    monkeypatch.setattr(cli, "run_up", refuse)
+    assert cli.main(["up", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_router_command_names_every_decode_worker_and_the_policy():
+    import argparse
+
+    from sglang_router.router_args import RouterArgs
+
+    from decode_worker.launch import router_command
+
+    cmd = router_command("127.0.0.1", 30000, 30001, [30002, 30003, 30004], 29001, decode_policy="round_robin")
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    RouterArgs.add_cli_args(parser)
+    ra = RouterArgs.from_cli_args(parser.parse_args(cmd[3:]))
+    assert ra.pd_disaggregation and ra.decode_policy == "round_robin" and ra.prometheus_port == 29001
+    assert ra.decode_urls == [f"http://127.0.0.1:{p}" for p in (30002, 30003, 30004)]
+    assert ra.prefill_urls == [("http://127.0.0.1:30001", 30001)]

@@ -307,42 +307,54 @@ def test_both_images_and_the_makefile_pin_one_torch():
 
 
 def test_cuda_image_majors_agree():
-    """The base image, torch's CUDA build and the UCX wheels (ucxx-cuNN from pyproject.toml) share a CUDA major."""
+    """The base image, torch's CUDA build and the data-plane wheel (nixl-cuNN from pyproject.toml) share a CUDA major."""
     dockerfile = DOCKER / "Dockerfile.cuda"
     base = next(arg for op, arg in dockerfile_instructions(dockerfile) if op == "FROM")
     base_major = int(re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-\S+", base).group(1))
     torch_major = cuda_major_of_index(dockerfile_args(dockerfile)["TORCH_INDEX_URL"])
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (ucx_major,) = {int(m.group(1)) for d in deps if (m := re.match(r"(?:lib)?ucxx?-cu(\d+)\b", d))}
+    (ucx_major,) = {int(m.group(1)) for d in deps if (m := re.match(r"(?:lib)?(?:ucxx?|nixl)-cu(\d+)\b", d))}
     assert base_major == torch_major == ucx_major, (base, torch_major, ucx_major)
+
+
+def compose_decode_services(services: dict[str, dict]) -> list[str]:
+    return sorted(name for name in services if name.startswith("decode-"))
 
 
 def test_compose_workers_validate_and_agree(monkeypatch):
     services = compose_services()
+    decodes = compose_decode_services(services)
+    assert len(decodes) >= 2, "the compose deployment runs several decode workers"
     configs = {}
-    for role in WORKER_ROLES:
-        svc = services[role]
+    for name in ["prefill", *decodes]:
+        svc = services[name]
         assert "entrypoint" not in svc
-        configs[role] = server_config(svc["command"], svc["environment"], monkeypatch)
-        assert configs[role].role == role and configs[role].host == "0.0.0.0"
-    prefill, decode = configs["prefill"], configs["decode"]
-    assert decode.disaggregation_decode_enable_radix_cache and decode.disaggregation_decode_enable_hicache
-    assert (prefill.page_size, prefill.dtype) == (decode.page_size, decode.dtype), "KV layouts must match"
-    assert decode.ucx_host == "decode", "prefill pushes KV to ucx-host: it must be the decode service's name"
-    assert prefill.pd_token == decode.pd_token != ""
+        configs[name] = server_config(svc["command"], svc["environment"], monkeypatch)
+        assert configs[name].role == name.split("-")[0] and configs[name].host == "0.0.0.0"
+    prefill = configs["prefill"]
+    for name in decodes:
+        decode = configs[name]
+        assert decode.disaggregation_decode_enable_radix_cache and decode.disaggregation_decode_enable_hicache
+        assert (prefill.page_size, prefill.dtype) == (decode.page_size, decode.dtype), "KV layouts must match"
+        assert decode.ucx_host == name, "prefill pushes KV to ucx-host: it must be this decode service's own name"
+        assert prefill.pd_token == decode.pd_token != ""
+        assert (decode.hicache_storage_backend, decode.hicache_storage_url) == ("redis", "redis://redis:6379")
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "profiles" not in services["redis"], "the shared L3 is part of the deployment, not an option"
 
     router = services["router"]
     assert router["entrypoint"] == ["python", "-m", "sglang_router.launch_router"]
     ra = router_args(router["command"])
-    assert ra.pd_disaggregation
+    assert ra.pd_disaggregation and ra.decode_policy == "round_robin", "docs/scale-out.md says why"
     assert ra.prefill_urls == [(f"http://prefill:{prefill.port}", prefill.port)], "bootstrap port = prefill HTTP port"
-    assert ra.decode_urls == [f"http://decode:{decode.port}"]
-    for name in ("prefill", "decode"):
+    assert ra.decode_urls == [f"http://{name}:{configs[name].port}" for name in decodes]
+    for name in ("prefill", *decodes):
         assert services["router"]["depends_on"][name]["condition"] == "service_healthy"
 
     scrape = load(DOCKER / "prometheus.yml")["scrape_configs"]
     targets = {s["labels"]["role"]: s["targets"] for job in scrape for s in job["static_configs"]}
-    assert targets["prefill"] == [f"prefill:{prefill.port}"] and targets["decode"] == [f"decode:{decode.port}"]
+    assert targets["prefill"] == [f"prefill:{prefill.port}"]
+    assert targets["decode"] == [f"{name}:{configs[name].port}" for name in decodes]
     assert targets["router"] == [f"router:{ra.prometheus_port}"]
 
 
@@ -365,14 +377,33 @@ def test_k8s_workers_validate_and_agree(monkeypatch):
     assert (prefill.page_size, prefill.dtype) == (decode.page_size, decode.dtype), "KV layouts must match"
     assert {p["name"]: p["containerPort"] for p in containers["decode"][1]["ports"]}["ucx"] == decode.ucx_port
     assert containers["prefill"][0]["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == str(prefill.port)
+    assert decode.hicache_storage_backend == "redis"
+    assert_points_at_the_redis_service(decode.hicache_storage_url)
 
     template, router = containers["router"]
     assert router["command"] == ["python", "-m", "sglang_router.launch_router"]
     ra = router_args(router["args"])
     assert ra.pd_disaggregation and ra.service_discovery
+    assert ra.decode_policy == "round_robin", "docs/scale-out.md says why"
     assert ra.service_discovery_port == prefill.port == decode.port, "one port for all discovered pods"
     for role, selector in (("prefill", ra.prefill_selector), ("decode", ra.decode_selector)):
         assert selector.items() <= containers[role][0]["metadata"]["labels"].items()
+
+
+def assert_points_at_the_redis_service(url: str) -> None:
+    """Every decode pod shares one L3: the URL names the Redis Service and its port, and that Service selects the
+    Redis pods."""
+    objects = k8s_objects()
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    host, port = re.fullmatch(r"redis://([\w.-]+):(\d+)", url).groups()
+    svc = services[host.split(".")[0]]
+    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    redis = [o for o in objects if o["kind"] == "Deployment"
+             and svc["spec"]["selector"].items() <= o["spec"]["template"]["metadata"]["labels"].items()]
+    assert len(redis) == 1 and redis[0]["spec"]["replicas"] == 1, "one Redis, or the pods would not share pages"
+    (container,) = redis[0]["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:")
+    assert "allkeys-lru" in container["args"], "a full L3 drops old pages instead of refusing writes"
 
 
 def test_k8s_services_and_monitor_match_the_pods():
@@ -385,7 +416,7 @@ def test_k8s_services_and_monitor_match_the_pods():
     ports = {e["port"] for e in monitor["spec"]["endpoints"]}
     selected = [s for s in services.values()
                 if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
-    assert {s["metadata"]["name"] for s in selected} == set(services)
+    assert {s["metadata"]["name"] for s in selected} == set(services) - {"decode-worker-redis"}  # Redis has no /metrics
     for svc in selected:  # each Service offers exactly one scraped port: no target scrapes a non-metrics port
         assert len(ports & {p["name"] for p in svc["spec"]["ports"]}) == 1, svc["metadata"]["name"]
 
