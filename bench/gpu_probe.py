@@ -8,7 +8,9 @@
 - ``l1_l2``: page load-back and backup GB/s between an L1 pool and its registered L2 pool, against a plain
   pinned copy and the PCIe link's nominal rate.
 - ``step_overhead``: per decode step at batch 64 (SmolLM2-shaped random model, CUDA graphs): host time to build
-  the batch and launch, and the whole step with sampling.
+  the batch and launch, and the whole step with greedy and with top-p sampling.
+- ``l1_l2`` also times the cache's ``CopyEngine`` (chunked through its staging, registered once).
+- ``sampling``: the batched sampler against the per-row one it replaced, batch 64/256, vocabulary 49152.
 
 Without a CUDA device it prints ``{"gpu": false, ...}`` and exits 0.
 Usage: python bench/gpu_probe.py [--skip-tests]
@@ -16,6 +18,7 @@ Usage: python bench/gpu_probe.py [--skip-tests]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -161,7 +164,51 @@ def l1_l2() -> dict:
     plain = timed(lambda: dev_flat.copy_(flat, non_blocking=True), repeat=5)
     return {"pinned": host_pool.buffer.is_pinned(), "load_back_gbs": round(nbytes / load / GB, 1),
             "backup_gbs": round(nbytes / backup / GB, 1), "plain_pinned_h2d_gbs": round(nbytes / plain / GB, 1),
-            "pcie_nominal_gbs": pcie_nominal_gbs()}
+            "pcie_nominal_gbs": pcie_nominal_gbs(), **engine_gbs(device_pool, host_pool, pages)}
+
+
+def engine_gbs(device_pool, host_pool, pages: torch.Tensor) -> dict:
+    """The cache's own path: ``CopyEngine`` through its registered staging, wall time of each future."""
+    from decode_worker.cache.copy_engine import CopyEngine
+
+    engine = CopyEngine(device_pool.buffer, host_pool.buffer)
+    nbytes = pages.numel() * device_pool.layout.page_bytes
+    try:
+        times = {}
+        for name, copy in (("engine_load_back", engine.load), ("engine_backup", engine.backup)):
+            copy(pages, pages).result(timeout=60)  # warm-up
+            times[name] = statistics.median(wall(lambda: copy(pages, pages).result(timeout=60)) for _ in range(5))
+        return {**{f"{k}_gbs": round(nbytes / t / GB, 1) for k, t in times.items()},
+                "engine_staging_pinned": all(s.host.is_pinned() for s in engine.staging.slots)}
+    finally:
+        engine.close()
+
+
+def wall(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sampling(device: str = "cuda", batches: tuple[int, ...] = (64, 256), vocab: int = 49152, repeat: int = 10) -> dict:
+    """The batched sampler against the per-row one it replaced (``bench/bench_sampling.py``): wall ms per call,
+    read-back included (it is where the host waits)."""
+    from decode_worker.model.sampler import sample
+
+    spec = importlib.util.spec_from_file_location("bench_sampling", ROOT / "bench" / "bench_sampling.py")
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+
+    out = {}
+    for bs in batches:
+        logits = torch.randn(bs, vocab, device=device) * 4
+        for mode in ("greedy", "temperature", "top_k_top_p"):
+            params, gens = [baseline.MODES[mode]] * bs, [None] * bs
+            new, old = (min(wall(lambda f=f: f(logits, params, gens)) for _ in range(repeat))
+                        for f in (sample, baseline.per_row_sample))
+            out[f"b{bs}_{mode}"] = {"new_ms": round(new * 1e3, 2), "old_ms": round(old * 1e3, 2),
+                                    "ratio": round(new / old, 3)}
+    return out
 
 
 def pcie_nominal_gbs() -> float | None:
@@ -184,18 +231,21 @@ def step_overhead(batch: int = 64, steps: int = 30) -> dict:
     prompts = [[(3 * b + i) % 1000 for i in range(500)] for b in range(batch)]
     pages = [list(range(1 + b * 40, 1 + b * 40 + 40)) for b in range(batch)]
     runner.forward(runner.build_batch(prompts, [0] * batch, pages))
-    params, gens = [SamplingParams(temperature=0)] * batch, [None] * batch
-    build, launch, whole = [], [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        fb = runner.build_batch([[1]] * batch, [500 + i] * batch, pages)
-        t1 = time.perf_counter()
-        logits = runner.forward(fb)
-        t2 = time.perf_counter()
-        sample(logits, params, gens)
-        t3 = time.perf_counter()
-        build.append(t1 - t0), launch.append(t2 - t1), whole.append(t3 - t0)
-    return {"batch": batch, "build_ms": median_ms(build), "launch_ms": median_ms(launch), "step_ms": median_ms(whole)}
+    gens = [None] * batch
+    out: dict = {"batch": batch}
+    for name, p in (("greedy", SamplingParams(temperature=0)), ("top_p", SamplingParams(temperature=0.8, top_p=0.9))):
+        build, launch, whole = [], [], []
+        for i in range(steps):  # the same positions again for the second mode: its KV is rewritten alike
+            t0 = time.perf_counter()
+            fb = runner.build_batch([[1]] * batch, [500 + i] * batch, pages)
+            t1 = time.perf_counter()
+            logits = runner.forward(fb)
+            t2 = time.perf_counter()
+            sample(logits, [p] * batch, gens)
+            t3 = time.perf_counter()
+            build.append(t1 - t0), launch.append(t2 - t1), whole.append(t3 - t0)
+        out[name] = {"build_ms": median_ms(build), "launch_ms": median_ms(launch), "step_ms": median_ms(whole)}
+    return out
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -223,7 +273,7 @@ def main() -> int:
         return 0
     report: dict = {"gpu": True, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     parts = {"large_pool_copy": large_pool_copy, "replay_churn": replay_churn, "attention": attention,
-             "l1_l2": l1_l2, "step_overhead": step_overhead}
+             "l1_l2": l1_l2, "step_overhead": step_overhead, "sampling": sampling}
     if not args.skip_tests:
         parts = {"gpu_tests": gpu_tests, **parts}
     for name, fn in parts.items():

@@ -3,24 +3,31 @@
 One worker thread runs the copies strictly in submission order. That order is what the cache relies on: a
 load-back queued after a backup of the same host pages reads the finished backup, and host pages that the
 event loop frees can only be rewritten by copies queued later. On CUDA the worker issues each copy on a side
-stream through a pinned staging buffer and waits for its event, so neither the event loop nor the compute
-stream ever waits on a copy. Every copy returns a ``concurrent.futures.Future``; ``asyncio.wrap_future`` makes
-it awaitable.
+stream through staging buffers allocated once (``Staging``) and waits for their events, so neither the event
+loop nor the compute stream ever waits on a copy. Every copy returns a ``concurrent.futures.Future``;
+``asyncio.wrap_future`` makes it awaitable.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+from math import prod
 
 import torch
+from decode_worker_kernels.page_copy import copy_pages, gather_pages, scatter_pages
 
-from decode_worker_kernels.page_copy import copy_pages
+from decode_worker.core.host_memory import pin_in_place
+
+STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes through in chunks
 
 
 class CopyEngine:
-    def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor):
+    def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor, staging_bytes: int = STAGING_BYTES):
         self.device_buffer = device_buffer
         self.host_buffer = host_buffer
         self._stream = torch.cuda.Stream(device_buffer.device) if device_buffer.is_cuda else None
+        self.staging = Staging(device_buffer, staging_bytes, self._stream) if self._stream is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Future:
@@ -47,25 +54,102 @@ class CopyEngine:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
               after: "torch.cuda.Event | None" = None) -> None:
-        if self._stream is None:
+        if self.staging is None:
             copy_pages(src, dst, src_pages, dst_pages)
             return
         if after is not None:
             self._stream.wait_event(after)
-        with torch.cuda.stream(self._stream):
-            staged = torch.empty(
-                (*src.shape[:2], src_pages.numel(), *src.shape[3:]), dtype=src.dtype, pin_memory=True
-            )
-            if src.is_cuda:  # backup: gather on the GPU, one D2H copy, scatter on the host
-                staged.copy_(src.index_select(2, src_pages.to(src.device)), non_blocking=True)
-                self._sync()
-                dst.index_copy_(2, dst_pages, staged)
-            else:  # load-back: gather on the host, one H2D copy, scatter on the GPU
-                torch.index_select(src, 2, src_pages, out=staged)
-                dst.index_copy_(2, dst_pages.to(dst.device), staged.to(dst.device, non_blocking=True))
-                self._sync()
+        if src.is_cuda:
+            self.staging.backup(src, dst, src_pages, dst_pages)
+        else:
+            self.staging.load(src, dst, src_pages, dst_pages)
 
-    def _sync(self) -> None:
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        event.synchronize()
+
+@dataclass
+class _Slot:
+    host: torch.Tensor  # flat bytes, page-locked
+    device: torch.Tensor  # flat bytes on the device
+    done: "torch.cuda.Event | None"  # recorded after the slot's last device-side use
+
+
+class Staging:
+    """Two slots of host memory, each paired with device memory, allocated once and page-locked in place
+    (``pin_in_place``: not torch's caching host allocator, which rounds every block up to a power of two and
+    would hand out a new one per copy size). Copies go through them in chunks of whole pages, alternating slots,
+    so the host gathers or scatters one chunk while the device moves the other.
+
+    Without a stream (``stream=None``) the same steps run synchronously, which lets CPU tests check the chunking
+    and the one-time allocation with a CPU tensor standing in for the device buffer."""
+
+    def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: "torch.cuda.Stream | None"):
+        self.page_bytes = prod(device_buffer.shape[:2]) * prod(device_buffer.shape[3:]) * device_buffer.element_size()
+        self.pages_per_slot = max(1, nbytes // 2 // self.page_bytes)
+        self.stream = stream
+        slot_bytes = self.pages_per_slot * self.page_bytes
+        self.slots = [self._slot(slot_bytes, device_buffer.device) for _ in range(2)]
+
+    def _slot(self, nbytes: int, device: torch.device) -> _Slot:
+        host = torch.empty(nbytes, dtype=torch.uint8)  # owns its storage from byte 0, as pin_in_place needs
+        pin_in_place(host, owner=self, cuda_available=self.stream is not None)
+        done = torch.cuda.Event() if self.stream is not None else None
+        return _Slot(host, torch.empty(nbytes, dtype=torch.uint8, device=device), done)
+
+    def backup(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        """Device ``src`` -> host ``dst``: the device gathers a chunk into its slot and copies it down while the
+        host scatters the chunk before."""
+        waiting: list[tuple[torch.Tensor, _Slot, torch.Tensor]] = []
+        for i, (s, d) in enumerate(self._chunks(src_pages, dst_pages)):
+            slot = self.slots[i % 2]
+            on_device, on_host = self._views(slot, src, s.numel())
+            with self._on_stream():
+                gather_pages(src, s.to(src.device), out=on_device)
+                on_host.copy_(on_device, non_blocking=True)
+                self._record(slot)
+            waiting.append((on_host, slot, d))
+            if len(waiting) == 2:
+                self._scatter_on_host(*waiting.pop(0), dst)
+        for entry in waiting:
+            self._scatter_on_host(*entry, dst)
+
+    def load(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        """Host ``src`` -> device ``dst``: the host gathers a chunk into a slot while the device copies up and
+        scatters the chunk before; returns once every chunk is in place."""
+        for i, (s, d) in enumerate(self._chunks(src_pages, dst_pages)):
+            slot = self.slots[i % 2]
+            self._wait(slot)  # its previous chunk has left the host memory
+            on_device, on_host = self._views(slot, src, s.numel())
+            gather_pages(src, s, out=on_host)
+            with self._on_stream():
+                on_device.copy_(on_host, non_blocking=True)
+                scatter_pages(on_device, dst, d.to(dst.device))
+                self._record(slot)
+        for slot in self.slots:
+            self._wait(slot)
+
+    def _scatter_on_host(self, on_host: torch.Tensor, slot: _Slot, pages: torch.Tensor, dst: torch.Tensor) -> None:
+        self._wait(slot)
+        scatter_pages(on_host, dst, pages)
+
+    def _chunks(self, src_pages: torch.Tensor, dst_pages: torch.Tensor):
+        if src_pages.numel() != dst_pages.numel():
+            raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
+        n = self.pages_per_slot
+        return [(src_pages[i: i + n], dst_pages[i: i + n]) for i in range(0, src_pages.numel(), n)]
+
+    def _views(self, slot: _Slot, like: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's first ``pages`` pages as contiguous ``[layer, 2, pages, ...]`` blobs, device then host."""
+        shape = (*like.shape[:2], pages, *like.shape[3:])
+        nbytes = pages * self.page_bytes
+        return tuple(flat[:nbytes].view(like.dtype).view(shape) for flat in (slot.device, slot.host))
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def _record(self, slot: _Slot) -> None:
+        if slot.done is not None:
+            slot.done.record(self.stream)
+
+    @staticmethod
+    def _wait(slot: _Slot) -> None:
+        if slot.done is not None:
+            slot.done.synchronize()

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from decode_worker_kernels.kv_write import write_kv
+from decode_worker_kernels.paged_attention import paged_decode_attention
 
 from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
-from decode_worker_kernels.kv_write import write_kv
-from decode_worker_kernels.paged_attention import paged_decode_attention
 
 
 def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -22,26 +22,26 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: f
 
 
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cached prefix plus themselves."""
-    page_size = pool.page_size
-    k_all, v_all = pool.k_slots(layer), pool.v_slots(layer)
+    """Causal attention of each request's new tokens over its cached prefix plus themselves.
+
+    One gather per layer brings every request's K/V together (``fb.context_slots``); the loop over requests then
+    only slices, with lengths the host already knows, so no step waits for the device."""
+    k_ctx = pool.k_slots(layer).index_select(0, fb.context_slots)  # [sum seq_lens, Hkv, D]
+    v_ctx = pool.v_slots(layer).index_select(0, fb.context_slots)
     out = torch.empty_like(q)
-    start = 0
-    offsets = torch.arange(page_size, device=q.device)
-    for b, prefix in enumerate(fb.prefix_lens):
-        seq_len = int(fb.seq_lens[b])
+    start = ctx_start = 0
+    for prefix, seq_len in zip(fb.prefix_lens, fb.host_seq_lens):
         n_new = seq_len - prefix
-        n_pages = -(-seq_len // page_size)
-        slots = (fb.page_table[b, :n_pages, None] * page_size + offsets).reshape(-1)[:seq_len]
-        k = k_all[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        v = v_all[slots].transpose(0, 1).unsqueeze(0)
-        qb = q[start : start + n_new].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+        k = k_ctx[ctx_start: ctx_start + seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        v = v_ctx[ctx_start: ctx_start + seq_len].transpose(0, 1).unsqueeze(0)
+        qb = q[start: start + n_new].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
         if prefix == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + n_new] = o[0].transpose(0, 1)
+        out[start: start + n_new] = o[0].transpose(0, 1)
         start += n_new
+        ctx_start += seq_len
     return out

@@ -1,7 +1,15 @@
-"""The tensors one forward pass needs, built from per-request page lists."""
+"""The tensors one forward pass needs, built from per-request page lists.
+
+The scheduler hands over Python lists every step. Building them row by row costs ~75 us a request here (19 ms at
+batch 256, 4K context), so the lists are packed once into flat int64 arrays (``array``, not ``torch.tensor``, which
+is 6x slower on lists of ints), every tensor of the step is computed from them with a few whole-batch ops, and
+on CUDA all of it goes to the device in one non-blocking copy from pinned memory.
+"""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -11,7 +19,8 @@ class ForwardBatch:
     """One step over B requests and T new tokens (T == B for decode).
 
     ``page_table[b]`` lists request b's pages (padded with page 0); ``seq_lens[b]`` counts its tokens
-    including the new ones; ``out_slots`` are the pool slots the new tokens' K/V go to.
+    including the new ones; ``out_slots`` are the pool slots the new tokens' K/V go to. The host-side
+    lengths let extend attention slice per request without reading the device.
     """
 
     is_decode: bool
@@ -23,6 +32,8 @@ class ForwardBatch:
     prefix_lens: list[int]  # tokens already in KV before this step, per request
     logits_indices: torch.Tensor  # [B] row of each request's last new token; all rows when all_logits
     all_logits: bool = False
+    host_seq_lens: list[int] | None = None  # seq_lens as Python ints (extend batches)
+    context_slots: torch.Tensor | None = None  # extend: every request's slots, prefix then new, back to back
 
     @property
     def batch_size(self) -> int:
@@ -39,31 +50,77 @@ class ForwardBatch:
         all_logits: bool = False,
     ) -> "ForwardBatch":
         """Lay out a step. A step where every request adds exactly one token is a decode step."""
-        if not new_tokens or any(len(t) == 0 for t in new_tokens):
+        new_lens = [len(t) for t in new_tokens]
+        if not new_tokens or 0 in new_lens:
             raise ValueError("every request in a step needs at least one new token")
-        seq_lens = [p + len(t) for p, t in zip(prefix_lens, new_tokens)]
-        for n, plist in zip(seq_lens, pages):
-            if len(plist) * page_size < n:
-                raise ValueError(f"{n} tokens need {-(-n // page_size)} pages, request has {len(plist)}")
-        max_pages = max(-(-n // page_size) for n in seq_lens)
-        table = torch.zeros(len(pages), max_pages, dtype=torch.int64)
-        for b, plist in enumerate(pages):
-            used = plist[: -(-seq_lens[b] // page_size)]
-            table[b, : len(used)] = torch.as_tensor(used, dtype=torch.int64)
-        positions = torch.cat([torch.arange(p, n) for p, n in zip(prefix_lens, seq_lens)])
-        rows = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor([len(t) for t in new_tokens]))
-        out_slots = table[rows, positions // page_size] * page_size + positions % page_size
-        ends = torch.tensor(seq_lens) - torch.tensor(prefix_lens)
-        last = torch.cumsum(ends, 0) - 1
-        ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.int64)
+        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+        page_counts = [-(-n // page_size) for n in seq_lens]
+        for n, need, plist in zip(seq_lens, page_counts, pages):
+            if len(plist) < need:
+                raise ValueError(f"{n} tokens need {need} pages, request has {len(plist)}")
+        is_decode = all(n == 1 for n in new_lens) and not all_logits
+        flat_ids = [t[0] for t in new_tokens] if is_decode else [t for seq in new_tokens for t in seq]
+        host = _layout(_ints(flat_ids), _ints(prefix_lens), _ints(new_lens), _ints(page_counts),
+                       _ints(_used_pages(pages, page_counts)), max(page_counts), page_size, is_decode, all_logits)
+        on_device = _to_device(host, device)
         return cls(
-            is_decode=all(len(t) == 1 for t in new_tokens) and not all_logits,
-            input_ids=ids.to(device),
-            positions=positions.to(device),
-            out_slots=out_slots.to(device),
-            page_table=table.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            is_decode=is_decode,
             prefix_lens=list(prefix_lens),
-            logits_indices=(torch.arange(ids.numel()) if all_logits else last).to(device),
             all_logits=all_logits,
+            host_seq_lens=None if is_decode else seq_lens,
+            **on_device,
         )
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    """A list of Python ints as an int64 tensor sharing an ``array``'s buffer: the fastest conversion there is."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
+
+
+def _used_pages(pages: list[list[int]], counts: list[int]) -> list[int]:
+    """Each request's first ``counts[b]`` pages, back to back (slicing only the lists that run longer)."""
+    flat: list[int] = []
+    for plist, n in zip(pages, counts):
+        flat += plist if len(plist) == n else plist[:n]
+    return flat
+
+
+def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_counts: torch.Tensor,
+            used_pages: torch.Tensor, max_pages: int, page_size: int, is_decode: bool,
+            all_logits: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of the step on the host, from the packed per-request arrays, in whole-batch ops."""
+    batch = prefix.numel()
+    seq_lens = prefix + new
+    table = torch.zeros(batch, max_pages, dtype=torch.int64)
+    table[torch.arange(table.shape[1]) < page_counts[:, None]] = used_pages
+    if is_decode:
+        rows, positions = torch.arange(batch), prefix
+    else:
+        rows = torch.repeat_interleave(torch.arange(batch), new)
+        positions = torch.arange(ids.numel()) - (torch.cumsum(new, 0) - new)[rows] + prefix[rows]
+    out = {
+        "input_ids": ids,
+        "positions": positions,
+        "out_slots": table[rows, positions // page_size] * page_size + positions % page_size,
+        "page_table": table,
+        "seq_lens": seq_lens,
+        "logits_indices": torch.arange(ids.numel()) if all_logits else torch.cumsum(new, 0) - 1,
+    }
+    if not is_decode:
+        ctx_rows = torch.repeat_interleave(torch.arange(batch), seq_lens)
+        starts = torch.cumsum(seq_lens, 0) - seq_lens
+        ctx_pos = torch.arange(ctx_rows.numel()) - starts[ctx_rows]
+        out["context_slots"] = table[ctx_rows, ctx_pos // page_size] * page_size + ctx_pos % page_size
+    return out
+
+
+def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's tensors on ``device``: on CUDA one non-blocking copy from pinned memory of all of them packed
+    (the caching host allocator keeps that block until the copy is done), on CPU the host tensors themselves."""
+    if device.type == "cpu":
+        return host
+    flat = torch.empty(sum(t.numel() for t in host.values()), dtype=torch.int64, pin_memory=device.type == "cuda")
+    torch.cat([t.reshape(-1) for t in host.values()], out=flat)
+    moved = flat.to(device, non_blocking=True)
+    ends = list(accumulate(t.numel() for t in host.values()))
+    return {name: moved[end - t.numel(): end].view(t.shape) for (name, t), end in zip(host.items(), ends)}

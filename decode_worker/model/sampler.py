@@ -1,12 +1,19 @@
 """The batched sampler: penalties and masks, greedy, temperature, top-k, top-p, per-request seeds, and the most
-likely alternatives of each pick. Logprobs are reported under the model's own distribution, before any of it."""
+likely alternatives of each pick. Logprobs are reported under the model's own distribution, before any of it.
+
+The whole batch goes through one vectorised path, and the host waits for the device once per step, in the single
+read-back of the results. Only rows with a seed draw one by one, from their own generator, exactly as before.
+"""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from decode_worker.core.sampling import SamplingParams
+
+NUCLEUS_CANDIDATES = 256  # CPU top-p sorts only this many best tokens per row when they already pass top_p
 
 
 @dataclass
@@ -31,53 +38,121 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Pick one token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    if shaping and any(s is not None for s in shaping):
-        logits = logits.clone()
-        for i, s in enumerate(shaping):
-            if s is not None:
-                _shape_row(logits[i], params[i], s)
-    chosen = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            chosen[i] = _sample_row(logits[i], p, generators[i])
-    picked = logprobs.gather(1, chosen[:, None])[:, 0]
-    return SampleResult(chosen.tolist(), picked.tolist(), _top_logprobs(logprobs, params))
-
-
-def _shape_row(row: torch.Tensor, p: SamplingParams, s: Shaping) -> None:
-    """Penalties as SGLang and OpenAI define them, in place."""
-    if p.repetition_penalty != 1 and s.context_ids:
-        ids = torch.tensor(sorted(set(s.context_ids)), device=row.device)
-        seen = row[ids]
-        row[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and s.output_ids:
-        ids, counts = torch.unique(torch.tensor(s.output_ids, device=row.device), return_counts=True)
-        row[ids] -= p.frequency_penalty * counts + p.presence_penalty
-    if s.banned:
-        row[torch.tensor(s.banned, device=row.device)] = float("-inf")
-
-
-def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
+    shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
+    chosen = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        chosen[greedy] = _rows(shaped, greedy).argmax(dim=-1)
+    if rows := [i for i, p in enumerate(params) if not p.greedy]:
+        chosen[rows] = _sample_rows(_rows(shaped, rows), [params[i] for i in rows], [generators[i] for i in rows])
+    parts = [chosen, logprobs.gather(1, chosen[:, None])[:, 0]]
     k = max((p.top_logprobs for p in params), default=0)
-    if k == 0:
-        return [[] for _ in params]
-    values, ids = logprobs.topk(k, dim=-1)
-    rows = zip(ids.tolist(), values.tolist())
-    return [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) for p, (i, v) in zip(params, rows)]
+    if k:
+        best = logprobs.topk(k, dim=-1)
+        parts += [best.indices.flatten(), best.values.flatten()]
+    # One read-back for everything, so one wait for the device: ids are exact in float64, logprobs only widen.
+    values, batch = torch.cat([t.double() for t in parts]).tolist(), len(params)
+    ids, top = values[2 * batch: (2 + k) * batch], values[(2 + k) * batch:]
+    tops = [[(int(ids[b * k + j]), top[b * k + j]) for j in range(p.top_logprobs)] for b, p in enumerate(params)]
+    return SampleResult([int(t) for t in values[:batch]], values[batch: 2 * batch], tops)
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    row = row / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, without copying a whole-vocabulary batch when the rows are all of them."""
+    return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Shaping | None]) -> torch.Tensor:
+    """Penalties as SGLang and OpenAI define them, in place, all shaped rows at once: the repetition penalty, then
+    frequency and presence, then bans (the order matters where a token is under several)."""
+    repeat, count, ban = [], [], []  # (row, token, ...) per adjustment
+    for i, (p, s) in enumerate(zip(params, shaping)):
+        if s is None:
+            continue
+        if p.repetition_penalty != 1:
+            repeat += [(i, t, p.repetition_penalty) for t in set(s.context_ids)]
+        if p.frequency_penalty or p.presence_penalty:
+            count += [(i, t, n, p.frequency_penalty, p.presence_penalty) for t, n in Counter(s.output_ids).items()]
+        ban += [(i, t) for t in s.banned]
+    if repeat:
+        rows, tokens, penalty = _columns(repeat, logits.device)
+        seen = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if count:
+        rows, tokens, times, per_time, once = _columns(count, logits.device)
+        logits[rows, tokens] -= per_time * times + once
+    if ban:
+        rows, tokens = _columns(ban, logits.device)
+        logits[rows, tokens] = float("-inf")
+    return logits
+
+
+def _columns(entries: list[tuple], device: torch.device) -> list[torch.Tensor]:
+    """Row and token columns as int64 index tensors, the others as float32 values."""
+    columns = list(zip(*entries))
+    return [torch.tensor(c, dtype=torch.int64 if j < 2 else torch.float32, device=device) for j, c in enumerate(columns)]
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One pick per row of ``logits`` [n, vocab] from its temperature-scaled, top-k then top-p limited softmax."""
+    dev = logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = [min(p.top_k, logits.shape[1]) for p in params]
+    if any(k > 0 for k in top_k):  # keep what ranks within its k best, ties with the k-th included
+        best = logits.topk(max(top_k), dim=-1).values
+        kth = best.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)[:, None])
+        kth[torch.tensor([k <= 0 for k in top_k], device=dev)] = float("-inf")
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
+    if nucleus:
+        kept = _top_p(_rows(probs, nucleus), torch.tensor([params[i].top_p for i in nucleus], device=dev))
+        probs = kept if len(nucleus) == len(params) else probs.index_put_((torch.tensor(nucleus, device=dev),), kept)
+    return _draw(probs, generators)
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` [m, vocab] outside each row's nucleus set to 0: the smallest prefix of its tokens, by falling
+    probability, whose mass reaches ``top_p``.
+
+    A full sort of the vocabulary costs ~3 ms a row on CPU; there the rows sort only their ``NUCLEUS_CANDIDATES``
+    best tokens when those already pass ``top_p`` (which makes the result the same), and the rest sort fully. On a
+    GPU the batched full sort is cheap and asks no question of the host."""
+    if probs.is_cuda or probs.shape[1] <= NUCLEUS_CANDIDATES:
+        values, order = probs.sort(dim=-1, descending=True)
+        return _keep_prefix(values, order, top_p, probs.shape)
+    values, order = probs.topk(NUCLEUS_CANDIDATES, dim=-1)
+    covered = values.cumsum(-1)[:, -1] > top_p
+    out = _keep_prefix(values, order, top_p, probs.shape)
+    if not bool(covered.all()):
+        rest = (~covered).nonzero()[:, 0]
+        wide = probs[rest]
+        values, order = wide.sort(dim=-1, descending=True)
+        out[rest] = _keep_prefix(values, order, top_p[rest], wide.shape)
+    return out
+
+
+def _keep_prefix(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    outside = values.cumsum(-1) - values > top_p[:, None]  # mass strictly before a token already passes top_p
+    return torch.zeros(shape, dtype=values.dtype, device=values.device).scatter_(1, order, values.masked_fill(outside, 0))
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of unnormalised ``probs``. Unseeded rows invert their CDF (in float64, so even a 1e-12
+    token keeps its chance) against one uniform each: O(vocab) where ``torch.multinomial`` draws an exponential
+    per token and asks the host twice whether the row is valid. Seeded rows keep ``torch.multinomial`` with their
+    generator, so a seed picks what it picked before."""
+    picks = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if free:  # the first token whose CDF reaches u in (0, total]: never one of probability 0
+        cdf = _rows(probs, free).double().cumsum_(-1)
+        u = (1 - torch.rand(len(free), 1, dtype=torch.float64, device=probs.device)) * cdf[:, -1:]
+        picks[free] = torch.searchsorted(cdf, u)[:, 0]
+    for i, g in enumerate(generators):
+        if g is not None:
+            picks[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return picks
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
