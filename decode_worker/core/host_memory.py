@@ -43,10 +43,14 @@ def pin_in_place(buffer: torch.Tensor, owner: object, cuda_available: bool | Non
     """Page-lock ``buffer``'s memory where it lies (``cudaHostRegister``, as SGLang does) so copies to and from
     the GPU run asynchronously at full speed; unregistered once ``owner`` is collected (the memory must outlive
     it). ``pin_memory=True`` would go through torch's caching host allocator instead, which rounds each block
-    up to a power of two: a 150 GB L2 pool would pin 256 GB. False, doing nothing, without CUDA."""
+    up to a power of two: a 150 GB L2 pool would pin 256 GB. False, doing nothing, without CUDA.
+    Registers the tensor's own bytes, not its storage's: a view at an offset (``host_buffer``'s aligned slice)
+    would otherwise register past the end of its mapping."""
+    if not buffer.is_contiguous():
+        raise ValueError("pin_in_place needs a contiguous tensor: a strided view's bytes are not one range")
     if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
         return False
-    ptr, nbytes = buffer.data_ptr(), buffer.untyped_storage().nbytes()
+    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
     _cuda_host_register(ptr, nbytes)
     weakref.finalize(owner, _cuda_host_unregister, ptr)
     return True

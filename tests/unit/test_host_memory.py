@@ -91,6 +91,20 @@ def test_l2_pool_for_a_cpu_l1_is_plain_memory(cuda_calls):
     assert pool.buffer.untyped_storage().nbytes() == 7 * LAYOUT.page_bytes and not cuda_calls
 
 
+def test_pin_in_place_registers_a_views_own_bytes(cuda_calls):
+    """An aligned slice of a bigger mapping starts past the storage's start: registering the storage's size from
+    the view's address would run off the end of the mapping."""
+    class Owner:
+        pass
+
+    base = torch.zeros(4096, dtype=torch.uint8)
+    view = base[1000:3000]
+    assert host_memory.pin_in_place(view, owner=Owner(), cuda_available=True)
+    assert cuda_calls[0] == ("register", view.data_ptr(), 2000)
+    with pytest.raises(ValueError, match="contiguous"):
+        host_memory.pin_in_place(base.view(64, 64)[:, :8], owner=SimpleNamespace(), cuda_available=True)
+
+
 def test_pin_in_place_does_nothing_without_cuda(cuda_calls):
     assert not host_memory.pin_in_place(torch.zeros(8), owner=SimpleNamespace(), cuda_available=False)
     assert not cuda_calls
