@@ -8,6 +8,7 @@ import numpy as np
 
 from decode_worker.cache.handles import cat_pages
 from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.pool import FREE, PageAllocator
 from decode_worker.cache.radix_tree import Key, RadixTree, TreeNode
 
 
@@ -71,3 +72,32 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
     assert host_used == held, f"L2: {host_used} allocated != {host_pages.numel()} in tree + {cache._host_out} out"
     if prefetch_pages is not None:
         assert cache._host_out == prefetch_pages, f"L2: {cache._host_out} pages out != {prefetch_pages} prefetching"
+    check_evictable_leaves(tree)
+    for alloc in (cache.device_alloc, cache.host_alloc):
+        if alloc is not None:
+            check_allocator(alloc)
+
+
+def check_evictable_leaves(tree: RadixTree) -> None:
+    """Each tier's evictable leaves, kept up to date as the tree changes, are exactly what a walk finds, and each
+    is queued in its heap under a key no greater than its current one (keys only grow)."""
+    nodes = list(tree.nodes())
+    for tier, leaves, evictable in (("L1", tree.device_leaves, tree.device_evictable),
+                                    ("L2", tree.host_leaves, tree.host_evictable)):
+        want = {n for n in nodes if evictable(n)}
+        stale, missing = leaves.members - want, want - leaves.members
+        assert not stale and not missing, f"{tier} evictable leaves: stale {stale}, missing {missing}"
+        queued: dict[TreeNode, tuple] = {}
+        for key, _, node in leaves._heap:
+            if node in leaves.members:
+                queued[node] = min(key, queued.get(node, key))
+        assert queued.keys() == leaves.members, f"{tier}: evictable leaves without a heap entry"
+        assert all(key <= leaves.rank(n) for n, key in queued.items()), f"{tier}: a heap key above the node's"
+
+
+def check_allocator(alloc: PageAllocator) -> None:
+    """The free stack holds each free page once, and exactly the pages whose state is free."""
+    free = alloc._stack[: alloc._top]
+    assert np.unique(free).size == free.size, "a page is on the free stack twice"
+    assert set(free.tolist()) == set(np.flatnonzero(alloc._state == FREE).tolist()), "free stack != free states"
+    assert not (free < alloc.reserved).any(), "a reserved page is on the free stack"

@@ -1,23 +1,36 @@
-"""Eviction for ``HierarchicalCache``: the policy's ordering key (SLRU, LRU or LFU), which nodes each tier may give
-up, the eviction batches (``evict_device``, ``evict_host``), removing nodes (``_drop``) and counting evictable pages.
+"""Eviction for ``HierarchicalCache``: the policy's ordering key (SLRU, LRU or LFU), the eviction batches
+(``evict_device``, ``evict_host``), removing nodes (``_drop``) and counting evictable pages. Which nodes each tier
+may give up is kept up to date by the tree (``RadixTree.device_leaves``, ``host_leaves``): a batch pops victims
+from them, never walks the tree.
 
 A mixin for the reason given in ``tiers.py``: the state lives once, on the cache. Besides the attributes below,
 it calls ``_alloc_host`` (tiers) to demote a write_back victim to L2, and ``_split`` (tiers) to cut a victim.
 """
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
+from decode_worker.cache.evictable import RankKey
 from decode_worker.cache.handles import cat_pages
 from decode_worker.cache.pool import PageAllocator
 from decode_worker.cache.radix_tree import RadixTree, TreeNode
 from decode_worker.cache.stats import CacheCounters
 from decode_worker.cache.tiers import PendingCopy
 from decode_worker.core.policies import EvictionPolicy, WritePolicy
+
+
+def rank_key(policy: EvictionPolicy) -> RankKey:
+    """The policy's ordering key, least worth keeping first. SLRU: never-hit nodes first (a request's own suffix,
+    rarely reused), then hit ones (shared prefixes), least recently used first within each; LRU: least recently
+    used; LFU: least hit, then least recent. Each key only grows as a node is used (``LeafHeap`` relies on it)."""
+    if policy == EvictionPolicy.SLRU:
+        return lambda n: (n.hit_count > 0, n.last_access)
+    if policy == EvictionPolicy.LFU:
+        return lambda n: (n.hit_count, n.last_access)
+    return lambda n: (n.last_access,)
 
 
 class EvictionMixin:
@@ -36,18 +49,6 @@ class EvictionMixin:
 
     # -- victims ----------------------------------------------------------------------------------------------------
 
-    def _entry(self, node: TreeNode) -> tuple:
-        """Heap entry: the policy's ordering key, a tie-breaker, and the node. SLRU: never-hit nodes first (a
-        request's own suffix, rarely reused), then hit ones (shared prefixes), least recently used first within
-        each; LRU: least recently used; LFU: least hit, then least recent."""
-        if self.eviction == EvictionPolicy.SLRU:
-            prio: tuple = (node.hit_count > 0, node.last_access)
-        elif self.eviction == EvictionPolicy.LFU:
-            prio = (node.hit_count, node.last_access)
-        else:
-            prio = (node.last_access,)
-        return (*prio, id(node), node)
-
     def _trim(self, node: TreeNode, need: int) -> TreeNode:
         """The part of victim ``node`` to give up for ``need`` more pages. Under SLRU only its last ``need`` pages
         (split off; the head stays cached with its hit count), so a shared prefix is never evicted whole for a
@@ -56,12 +57,6 @@ class EvictionMixin:
         if self.eviction == EvictionPolicy.SLRU and need < k:
             self._split(node, k - need)  # ``node`` keeps the tail and the children
         return node
-
-    def _device_evictable(self, node: TreeNode) -> bool:
-        return node.on_device and node.lock_ref == 0 and not any(c.on_device for c in node.children.values())
-
-    def _host_evictable(self, node: TreeNode) -> bool:
-        return node.on_host and not node.on_device and node.lock_ref == 0 and not node.children and node.saving is None
 
     def _host_evictable_pages(self) -> int:
         """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
@@ -97,26 +92,34 @@ class EvictionMixin:
         freed when that copy finishes); any other leaf leaves the tree with its host-only subtree.
         """
         tree = self.tree
-        heap = [self._entry(n) for n in tree.nodes() if self._device_evictable(n)]
-        heapq.heapify(heap)
-        demote = PendingCopy("backup", nodes=[], locked=[])
-        old_pages, released = [], 0
-        while released < n_pages and heap:
-            node = self._trim(heapq.heappop(heap)[-1], n_pages - released)
-            parent, k = node.parent, self.tree.num_pages(node)
-            if node.on_host:
-                self.device_alloc.free(tree.clear_device(node))
-            elif self.write_policy == WritePolicy.WRITE_BACK and (host := self._alloc_host(k)) is not None:
-                old_pages.append(tree.clear_device(node))
-                tree.set_host(node, host)
-                node.saving = demote  # keeps evict_host off it until the copy is queued and locks it
-                demote.nodes.append(node)
-            else:
-                self._drop(node)
-            self.counters.evicted_device += k * self.page_size
-            released += k
-            if parent is not tree.root and self._device_evictable(parent):
-                heapq.heappush(heap, self._entry(parent))
+        write_back = self.write_policy == WritePolicy.WRITE_BACK and self.host_alloc is not None
+        demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
+        cut_tails = self.eviction == EvictionPolicy.SLRU and not write_back  # a tail would leave the tree
+        old_pages, freed, released = [], [], 0
+        try:
+            while released < n_pages and (node := tree.device_leaves.pop()) is not None:
+                need, k = n_pages - released, tree.num_pages(node)
+                if cut_tails and need < k and (tail := tree.cut_device_tail(node, k - need)) is not None:
+                    freed.append(tail)  # the usual SLRU victim: a leaf only on L1 that keeps its head
+                    self.counters.evicted_device += need * self.page_size
+                    released += need
+                    continue
+                node = self._trim(node, need)
+                k = tree.num_pages(node)
+                if node.on_host:
+                    freed.append(tree.clear_device(node))
+                elif write_back and (host := self._alloc_host(k)) is not None:
+                    old_pages.append(tree.clear_device(node))
+                    tree.set_host(node, host)
+                    node.saving = demote  # keeps evict_host off it until the copy is queued and locks it
+                    tree.refresh(node)
+                    demote.nodes.append(node)
+                else:
+                    self._drop(node, freed)
+                self.counters.evicted_device += k * self.page_size
+                released += k
+        finally:
+            self.device_alloc.free(cat_pages(freed))  # one batch: the allocator's checks run once
         if old_pages:
             self._start_demotion(demote, old_pages)
         return released
@@ -142,26 +145,25 @@ class EvictionMixin:
     def evict_host(self, n_pages: int) -> int:
         """Free at least ``n_pages`` L2 pages (exactly, under SLRU) from unlocked host-only leaves; returns pages
         freed."""
-        tree = self.tree
-        heap = [self._entry(n) for n in tree.nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < n_pages and heap:
-            node = self._trim(heapq.heappop(heap)[-1], n_pages - freed)
-            parent = node.parent
+        while freed < n_pages and (node := self.tree.host_leaves.pop()) is not None:
+            node = self._trim(node, n_pages - freed)
             freed += self.tree.num_pages(node)
             self._drop(node)
-            if parent is not tree.root and self._host_evictable(parent):
-                heapq.heappush(heap, self._entry(parent))
         return freed
 
     # -- removing nodes ---------------------------------------------------------------------------------------------
 
-    def _drop(self, node: TreeNode) -> None:
-        """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers."""
-        for n in self.tree.subtree(node):
+    def _drop(self, node: TreeNode, device_pages: list[torch.Tensor] | None = None) -> None:
+        """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers (the L1 ones
+        into ``device_pages`` instead, for the caller to free in one batch)."""
+        for n in self.tree.subtree(node) if node.children else (node,):
             if n.on_device:
-                self.device_alloc.free(self.tree.clear_device(n))
+                pages = self.tree.clear_device(n)
+                if device_pages is None:
+                    self.device_alloc.free(pages)
+                else:
+                    device_pages.append(pages)
             if n.on_host:
                 self.host_alloc.free(self.tree.clear_host(n))
                 self.counters.evicted_host += n.num_tokens

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
-from decode_worker.cache.eviction import EvictionMixin
+from decode_worker.cache.eviction import EvictionMixin, rank_key
 from decode_worker.cache.handles import NO_PAGES, LoadBackError, LoadHandle, MatchResult, cat_pages
 from decode_worker.cache.l3 import StorageMixin
 from decode_worker.cache.pool import KVPool, PageAllocator
@@ -88,7 +88,8 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         if storage is not None and host_pool is None:
             raise ValueError("L3 storage moves pages through L2: it needs a host pool")
         self.page_size = device_pool.page_size
-        self.tree = RadixTree(self.page_size, device_pool.layout.fingerprint() if hash_seed is None else hash_seed)
+        seed = device_pool.layout.fingerprint() if hash_seed is None else hash_seed
+        self.tree = RadixTree(self.page_size, seed, rank=rank_key(self.eviction))
         self.device_alloc = PageAllocator(device_pool.num_pages, reserved=1)  # page 0: scratch
         self.host_pool = host_pool
         self.host_alloc = PageAllocator(host_pool.num_pages) if host_pool is not None else None
@@ -149,8 +150,8 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         if path and match.tail_pages < self.tree.num_pages(path[-1]):
             path[-1] = self._split(path[-1], match.tail_pages)
         last = path[-1] if path else self.tree.root
-        restore = [n for n in path if not n.on_device]
-        n_restore = sum(self.tree.num_pages(n) for n in restore)
+        restore = [n for n in path if n.device_indices is None]
+        n_restore = sum(len(n.key) for n in restore) // self.tree.page_bytes if restore else 0
         self.tree.lock(last)
         pages = None
         try:
@@ -162,7 +163,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
                 self.device_alloc.free(pages)
             self.tree.unlock(last)
             raise
-        waits = list({n.loading: None for n in path if n.loading is not None})
+        waits = list({n.loading: None for n in path if n.loading is not None}) if self._pending else []
         self.tree.touch(last, hit=bool(path))
         self.counters.cached_device += match.device_hit_tokens
         self.counters.cached_host += n_restore * self.page_size
@@ -172,8 +173,9 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         return LoadHandle(
             cache=self,
             node=last,
-            device_indices=cat_pages([n.device_indices for n in path]),
-            delta_pages=pages[n_restore:],
+            # the path is locked: its L1 pages are still the match's, then the restored ones
+            device_indices=torch.cat([match.device_indices, pages[:n_restore]]) if restore else match.device_indices,
+            delta_pages=pages[n_restore:] if restore else pages,
             device_hit_tokens=match.device_hit_tokens,
             restored_tokens=n_restore * self.page_size,
             waits=waits,
@@ -205,9 +207,9 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         n = len(key) // self.tree.page_bytes
         if device_pages.numel() < n:
             raise ValueError(f"{n} full pages of tokens, got {device_pages.numel()} pages")
-        key = key[: n * self.tree.page_bytes]
-        _, pos, cached, _ = self._graft(key, device_pages[:n], backup=backup, exact=False)
-        self.device_alloc.free(device_pages[pos:n])
+        _, pos, cached, _ = self._graft(key, device_pages, n, backup=backup, exact=False)
+        if pos < n:
+            self.device_alloc.free(device_pages[pos:n])
         return cached * self.page_size
 
     def cache_in_flight(
@@ -229,26 +231,26 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             raise ValueError(f"{n} full pages of tokens, got {pages.numel()} pages")
         if n <= old:
             return handle, pages
-        node, pos, _, tree_pages = self._graft(key[: n * self.tree.page_bytes], pages[:n], backup=False, exact=True)
+        node, pos, _, parts = self._graft(key, pages, n, backup=False, exact=True)
         if pos <= old:  # a load-back in flight right past the prefix: nothing changed
             return handle, pages
         self.tree.lock(node)  # a descendant of handle.node: the prefix stays locked throughout
         self.tree.unlock(handle.node)
         handle.released = True
+        tree_pages = cat_pages(parts)
         new = LoadHandle(self, node, tree_pages, NO_PAGES, handle.device_hit_tokens, handle.restored_tokens, [])
         return new, torch.cat([tree_pages, pages[pos:]])
 
     def _graft(
-        self, key: Key, pages: torch.Tensor, *, backup: bool, exact: bool
-    ) -> tuple[TreeNode, int, int, torch.Tensor]:
-        """Put ``pages`` (one per whole page of ``key``) into the tree along ``key``, stopping at a node whose L1
-        data is still arriving. Pages duplicating L1 data are freed; ``exact`` splits a node that ``key`` ends
-        inside, so that the returned node ends where the grafted part does.
+        self, key: Key, pages: torch.Tensor, n: int, *, backup: bool, exact: bool
+    ) -> tuple[TreeNode, int, int, list[torch.Tensor]]:
+        """Put ``pages[:n]`` (one per whole page of ``key``, which has ``n``) into the tree along ``key``, stopping
+        at a node whose L1 data is still arriving. Pages duplicating L1 data are freed; ``exact`` splits a node
+        that ``key`` ends inside, so that the returned node ends where the grafted part does.
 
         Returns the deepest node reached, the number of pages grafted, how many of them were already on L1, and
-        the tree's L1 pages for them.
+        (with ``exact``) the tree's L1 pages for them, in parts end to end.
         """
-        n = pages.numel()
         path, tail = self.tree.match(key)
         node, pos, cached, dup, kept, tree_pages = self.tree.root, 0, 0, [], [], []
         for i, child in enumerate(path):
@@ -259,24 +261,29 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
                 child = self._split(child, k)
             mine = pages[pos : pos + k]
             if child.on_device:
-                dup.append(mine[mine != child.device_indices[:k]])
+                held = child.device_indices if k == len(child.device_indices) else child.device_indices[:k]
+                if not torch.equal(mine, held):  # usually equal: the request got its prefix from this node
+                    dup.append(mine[mine != held])
                 cached += k
             else:
                 self.tree.set_device(child, mine)
-            tree_pages.append(child.device_indices[:k])
+            if exact:
+                tree_pages.append(child.device_indices[:k])
             kept.append(child)
             node, pos = child, pos + k
         else:
             if pos < n:
-                node = self.tree.add_child(node, key[pos * self.tree.page_bytes :], pages[pos:])
-                tree_pages.append(pages[pos:])
+                pb = self.tree.page_bytes
+                node = self.tree.add_child(node, key[pos * pb : n * pb], pages[pos:n])
+                tree_pages.append(node.device_indices)
                 kept.append(node)
                 pos = n
-        self.device_alloc.free(cat_pages(dup))
+        if dup:
+            self.device_alloc.free(cat_pages(dup))
         self.tree.touch(node)
         if backup or self.write_policy == WritePolicy.WRITE_THROUGH:
             self._backup(kept)
-        return node, pos, cached, cat_pages(tree_pages)
+        return node, pos, cached, tree_pages
 
     # -- flushing -----------------------------------------------------------------------------------------------------
 
@@ -288,6 +295,8 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         dropped = sum(m.num_tokens for n in tops for m in self.tree.subtree(n))
         for node in tops:
             self._drop(node)
+        if self.tree.events is not None and not root.children:  # nothing was locked: every tier is empty
+            self.tree.events.cleared()
         return dropped
 
     # -- observability ------------------------------------------------------------------------------------------------

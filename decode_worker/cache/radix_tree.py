@@ -9,34 +9,33 @@ bytes that the garbage collector never scans (a tuple of ints costs ~36 and is s
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-Key = bytes  # token ids, int32 little-endian
+from decode_worker.cache.evictable import LeafHeap, RankKey
+from decode_worker.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, TreeEvents
+from decode_worker.core.sequence import TOKEN_BYTES, pack_tokens
+
+Key = bytes  # token ids, int32 little-endian (``pack_tokens``)
 Tokens = Sequence[int] | np.ndarray | torch.Tensor | Key
-TOKEN_BYTES = 4
 
 
 def token_key(tokens: Tokens) -> Key:
-    """The tree key of a token sequence. Build it once per request and pass it to both match and insert."""
+    """The tree key of a token sequence; packed keys (``Sequence.key``) pass through as they are. Build it once
+    per request and pass it to both match and insert."""
     if isinstance(tokens, bytes):
         return tokens
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.cpu().numpy()
     if isinstance(tokens, np.ndarray):
         return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-    packed = array("i", tokens)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
+    return pack_tokens(tokens)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TreeNode:
     """A run of whole pages. A node in neither tier only exists transiently (see ``HierarchicalCache``)."""
 
@@ -82,7 +81,7 @@ def chain_hashes(key: Key, page_size: int, prev: bytes) -> list[bytes]:
 class RadixTree:
     """Structure, tiers and locks of the cached prefixes; page accounting counters for fast budget checks."""
 
-    def __init__(self, page_size: int, hash_seed: str = ""):
+    def __init__(self, page_size: int, hash_seed: str = "", rank: RankKey = lambda n: (n.last_access,)):
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.root = TreeNode(key=())
@@ -91,6 +90,9 @@ class RadixTree:
         self.clock = 0
         self.device_pages = 0  # L1 pages held by nodes
         self.locked_device_pages = 0  # ...of which in nodes with lock_ref > 0
+        self.device_leaves = LeafHeap(rank)  # nodes L1 may give up now, ranked by the eviction policy (``rank``)
+        self.host_leaves = LeafHeap(rank)  # ...and L2
+        self.events: TreeEvents | None = None  # KV events for routers (--kv-events-config); None: off
 
     # -- lookup ---------------------------------------------------------------------------------------------
 
@@ -172,7 +174,7 @@ class RadixTree:
         self.clock += 1
         node = TreeNode(key=key, parent=parent, last_access=self.clock)
         parent.children[key[: self.page_bytes]] = node
-        self.set_device(node, device_indices)
+        self.set_device(node, device_indices)  # re-files the parent too
         return node
 
     def split(self, node: TreeNode, pages: int) -> TreeNode:
@@ -193,7 +195,7 @@ class RadixTree:
             saving=node.saving,
             hashes=None if node.hashes is None else node.hashes[:pages],
         )
-        node.parent.children[node.key[:pb]] = head
+        node.parent.children[node.key[:pb]] = head  # the parent's children keep their tiers: no re-filing
         node.key = node.key[cut:]
         node.parent = head
         if node.device_indices is not None:
@@ -205,12 +207,34 @@ class RadixTree:
         self.version += 1
         return head
 
+    def cut_device_tail(self, node: TreeNode, keep: int) -> torch.Tensor | None:
+        """Take the L1 pages of ``node`` past its first ``keep`` off it, in place, and return them: what splitting
+        off the tail and dropping it does, without a new node. Only for an unlocked leaf held on L1 alone with no
+        copy on it and no KV-event listener (which expects whole nodes); None (nothing changed) otherwise."""
+        assert 0 < keep < self.num_pages(node)
+        if (node.children or node.lock_ref or node.host_indices is not None or node.loading is not None
+                or node.saving is not None or self.events is not None):
+            return None
+        pages = node.device_indices
+        node.key = node.key[: keep * self.page_bytes]
+        node.device_indices = pages[:keep]
+        if node.hashes is not None:
+            node.hashes = node.hashes[:keep]
+        self.device_pages -= pages.numel() - keep
+        self.version += 1
+        self._file(self.device_leaves, node, self.device_evictable(node))
+        return pages[keep:]
+
     def remove(self, node: TreeNode) -> None:
         """Detach a node and its subtree, whose pages were already released; detached nodes have no parent."""
-        del node.parent.children[node.key[: self.page_bytes]]
-        for n in self.subtree(node):
+        parent = node.parent
+        del parent.children[node.key[: self.page_bytes]]
+        for n in self.subtree(node) if node.children else (node,):
             assert n.device_indices is None and n.host_indices is None and n.lock_ref == 0, n
             n.parent = None
+            self.device_leaves.members.discard(n)
+            self.host_leaves.members.discard(n)
+        self._file(self.host_leaves, parent, self.host_evictable(parent))  # it may be an L2 leaf now
         self.version += 1
 
     # -- tiers ------------------------------------------------------------------------------------------------
@@ -222,25 +246,42 @@ class RadixTree:
         if node.lock_ref:
             self.locked_device_pages += pages.numel()
         self.version += 1
+        self._file(self.device_leaves, node, self.device_evictable(node))
+        self.host_leaves.members.discard(node)
+        self.device_leaves.members.discard(node.parent)  # a parent with a child on L1 is no L1 leaf
+        if self.events is not None:
+            self.events.stored(node, MEDIUM_GPU)
 
     def clear_device(self, node: TreeNode) -> torch.Tensor:
+        if self.events is not None:
+            self.events.removed(node, MEDIUM_GPU)
         pages = node.device_indices
         node.device_indices = None
         self.device_pages -= pages.numel()
         if node.lock_ref:
             self.locked_device_pages -= pages.numel()
         self.version += 1
+        self.device_leaves.members.discard(node)
+        self._file(self.host_leaves, node, self.host_evictable(node))
+        self._file(self.device_leaves, node.parent, self.device_evictable(node.parent))
         return pages
 
     def set_host(self, node: TreeNode, pages: torch.Tensor) -> None:
         assert node.host_indices is None
         node.host_indices = pages
         self.version += 1
+        self._file(self.host_leaves, node, self.host_evictable(node))
+        self.host_leaves.members.discard(node.parent)  # it may have just been hung below it (``insert_host``)
+        if self.events is not None:
+            self.events.stored(node, MEDIUM_CPU)
 
     def clear_host(self, node: TreeNode) -> torch.Tensor:
+        if self.events is not None:
+            self.events.removed(node, MEDIUM_CPU)
         pages = node.host_indices
         node.host_indices = None
         self.version += 1
+        self.host_leaves.members.discard(node)
         return pages
 
     # -- locks ------------------------------------------------------------------------------------------------
@@ -248,9 +289,12 @@ class RadixTree:
     def lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors against eviction from either tier."""
         while node is not self.root:
-            if node.lock_ref == 0 and node.device_indices is not None:
-                self.locked_device_pages += node.device_indices.numel()
             node.lock_ref += 1
+            if node.lock_ref == 1:
+                if node.device_indices is not None:
+                    self.locked_device_pages += node.device_indices.numel()
+                self.device_leaves.members.discard(node)
+                self.host_leaves.members.discard(node)
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
@@ -258,6 +302,33 @@ class RadixTree:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unbalanced unlock of {node}")
             node.lock_ref -= 1
-            if node.lock_ref == 0 and node.device_indices is not None:
-                self.locked_device_pages -= node.device_indices.numel()
+            if node.lock_ref == 0:
+                if node.device_indices is not None:
+                    self.locked_device_pages -= node.device_indices.numel()
+                self.refresh(node)
             node = node.parent
+
+    # -- evictable leaves -------------------------------------------------------------------------------------
+
+    def device_evictable(self, node: TreeNode) -> bool:
+        """L1 may give ``node`` up now: on L1, unlocked, no child on L1 (L1 nodes are closed under ancestors)."""
+        return (node.device_indices is not None and node.lock_ref == 0
+                and (not node.children or not any(c.device_indices is not None for c in node.children.values())))
+
+    def host_evictable(self, node: TreeNode) -> bool:
+        """L2 may give ``node`` up now: only on L2, unlocked, a leaf, and no copy writing its L2 pages."""
+        return (node.host_indices is not None and node.device_indices is None and node.lock_ref == 0
+                and not node.children and node.saving is None)
+
+    def refresh(self, node: TreeNode) -> None:
+        """File ``node`` in or out of each tier's evictable leaves after its lock or copies changed. The tree's
+        own changes re-file just the nodes and tiers each one can affect; none walks the tree."""
+        self._file(self.device_leaves, node, self.device_evictable(node))
+        self._file(self.host_leaves, node, self.host_evictable(node))
+
+    @staticmethod
+    def _file(leaves: LeafHeap, node: TreeNode, evictable: bool) -> None:
+        if evictable and node.parent is not None:  # never the root, nor a node already detached
+            leaves.add(node)
+        else:
+            leaves.members.discard(node)

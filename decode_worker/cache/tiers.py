@@ -108,8 +108,10 @@ class TierMixin:
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
         """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
+        if self.host_alloc is None:
+            return
         nodes = [n for n in nodes if n.on_device and not n.on_host and n.saving is None]
-        if not nodes or self.host_alloc is None:
+        if not nodes:
             return
         host = self._alloc_host(sum(self.tree.num_pages(n) for n in nodes))
         if host is None:

@@ -1,11 +1,24 @@
 """A request's token state while it is generated, and the checks that finish it."""
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from decode_worker.core.sampling import SamplingParams
+
+TOKEN_BYTES = 4  # a packed token id: int32, little-endian (the radix tree's key format)
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Token ids packed as int32 little-endian: the radix tree's key format, built in C."""
+    packed = array("i", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 @dataclass
@@ -19,6 +32,21 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V is in the pool
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
+    _packed: bytearray = field(default_factory=bytearray, repr=False, compare=False)  # token ids packed so far
+
+    def key(self, n: int) -> bytes:
+        """The first ``n`` token ids packed (``pack_tokens``): the cache's key for match and insert. The packing
+        grows with the sequence (the prompt once, then the new output tokens), so a call costs one copy of the
+        bytes instead of turning ``n`` Python ints into a list and then into a key each time."""
+        packed, have = self._packed, len(self._packed) // TOKEN_BYTES
+        if have < n:
+            prompt = len(self.prompt_ids)
+            if have < prompt:
+                packed += pack_tokens(self.prompt_ids[have:])
+                have = prompt
+            packed += pack_tokens(self.output_ids[have - prompt :])
+        with memoryview(packed) as view:
+            return bytes(view[: n * TOKEN_BYTES])
 
     @property
     def token_ids(self) -> list[int]:

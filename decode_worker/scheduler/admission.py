@@ -68,11 +68,11 @@ class Admission:
             self.queues.move(req, S.MATCHING)
         return settled
 
-    def match_key(self, req: Req) -> list[int]:
-        """Tokens whose cached KV the request can use. Locally computed requests need at least their last token
-        extended to get its logits; a received prompt gets KV for all of it."""
+    def match_key(self, req: Req) -> bytes:
+        """Tokens whose cached KV the request can use, packed (``Sequence.key``). Locally computed requests need at
+        least their last token extended to get its logits; a received prompt gets KV for all of it."""
         seq = req.seq
-        return seq.prompt_ids if self.source.receives(req) else seq.token_ids[:-1]
+        return seq.key(len(seq.prompt_ids) if self.source.receives(req) else seq.num_tokens - 1)
 
     def try_alloc(self, req: Req) -> bool:
         """Match, check the budget, lock and allocate; False (taking nothing) when it does not fit now. On

@@ -68,7 +68,7 @@ class Req:
         if seq.num_computed // page_size <= self.prefix_pages:
             return
         pages = torch.tensor(seq.pages, dtype=torch.int64)
-        self.handle, pages = cache.cache_in_flight(self.handle, seq.token_ids[: seq.num_computed], pages)
+        self.handle, pages = cache.cache_in_flight(self.handle, seq.key(seq.num_computed), pages)
         self.prefix_pages, seq.pages = self.handle.device_indices.numel(), pages.tolist()
 
     def release(self, cache: PrefixCache, page_size: int, *, insert: bool = True, backup: bool = False) -> None:
@@ -83,7 +83,7 @@ class Req:
             if insert:
                 full = min(seq.num_computed, seq.num_tokens) // page_size
                 if full > 0:
-                    cache.insert(seq.token_ids[: full * page_size], pages[:full], backup=backup)
+                    cache.insert(seq.key(full * page_size), pages[:full], backup=backup)
                 owned_from = max(full, self.prefix_pages)
             cache.free_device(pages[owned_from:])
         cache.release(self.handle)

@@ -11,10 +11,10 @@ import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache, LoadBackError
-from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
+from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages, PageAllocator
 from decode_worker.cache.radix_tree import token_key
 from decode_worker.cache.sizing import InsufficientHostMemory, host_pool_pages, make_host_pool, mem_available_bytes
-from tests.cache_invariants import check_invariants
+from tests.cache_invariants import check_allocator, check_invariants
 
 PS = 2
 LAYOUT = KVLayout("test", num_layers=2, num_kv_heads=1, head_dim=4, page_size=PS, dtype=torch.float32)
@@ -699,3 +699,32 @@ def test_make_host_pool_on_cpu_is_not_pinned():
     dev = KVPool(LAYOUT, 4)
     pool = make_host_pool(LAYOUT, 12, dev)
     assert pool.num_pages == 12 and pool.device.type == "cpu" and not pool.buffer.is_pinned()
+
+
+# -- the page allocator ------------------------------------------------------------------------------------------
+
+
+def test_allocator_hands_out_low_pages_first_and_reuses_the_last_freed_first():
+    alloc = PageAllocator(8, reserved=1)
+    assert alloc.alloc(3).tolist() == [1, 2, 3] and alloc.num_free == 4
+    alloc.free(torch.tensor([2, 3]))
+    assert alloc.alloc(2).tolist() == [2, 3] and alloc.alloc(4).tolist() == [4, 5, 6, 7]
+    with pytest.raises(OutOfPages):
+        alloc.alloc(1)
+    check_allocator(alloc)
+
+
+@pytest.mark.parametrize("bad", [[3, 3], [2, 4], [0], [-1], [8], [5, 3]], ids=[
+    "twice-in-one-call", "one-already-free", "reserved", "negative", "past-the-pool", "freed-before"])
+def test_allocator_refuses_a_bad_free_and_frees_none_of_it(bad):
+    alloc = PageAllocator(8, reserved=1)
+    alloc.alloc(7)  # every page: -1 must not pass as the last one
+    alloc.free(torch.tensor([4, 5]))
+    alloc.free(torch.empty(0, dtype=torch.int64))
+    free = alloc.num_free
+    with pytest.raises(RuntimeError, match="free|foreign"):
+        alloc.free(torch.tensor(bad))
+    assert alloc.num_free == free
+    check_allocator(alloc)
+    alloc.free(torch.tensor([3, 1]))  # the good pages of the refused batch are still in use
+    assert alloc.num_free == free + 2

@@ -1,4 +1,5 @@
-"""The page-granular radix tree on its own: matching, splits, locks and chained page hashes."""
+"""The page-granular radix tree on its own: matching, splits, locks, chained page hashes and the evictable leaves
+it keeps up to date."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
-from tests.cache_invariants import key_tokens, prefix_key
+from tests.cache_invariants import check_evictable_leaves, key_tokens, prefix_key
 
 PS = 4
 
@@ -157,3 +158,81 @@ def test_page_hashes_are_chained_seeded_and_independent_of_splits():
     tree.page_hashes(node)
     head = tree.split(node, 2)
     assert head.hashes + node.hashes == want
+
+
+# -- evictable leaves: kept up to date by every change, checked against a full walk ----------------------------------
+
+
+def members(tree: RadixTree) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    """The L1 and L2 evictable leaves, each named by its tokens from the root; asserted equal to a full walk."""
+    check_evictable_leaves(tree)
+    name = lambda n: key_tokens(prefix_key(tree, n))  # noqa: E731
+    return {name(n) for n in tree.device_leaves.members}, {name(n) for n in tree.host_leaves.members}
+
+
+def test_a_parent_stops_being_an_l1_leaf_when_a_child_reaches_l1_and_is_one_again_when_it_leaves():
+    a, b = tuple(range(8)), tuple(range(4)) + (9, 9, 9, 9)
+    tree = build([a[:4]])
+    assert members(tree) == ({a[:4]}, set())
+    tree = build([a, b])
+    head = match(tree, a)[0][0]
+    assert members(tree) == ({a, b}, set())
+    for leaf in list(head.children.values()):
+        tree.set_host(leaf, tree.clear_device(leaf))  # demoted: L2 only
+    assert members(tree) == ({a[:4]}, {a, b})
+    leaf = match(tree, a)[0][-1]
+    tree.set_device(leaf, tree.clear_host(leaf))  # revived under a parent that was an L1 leaf
+    assert members(tree) == ({a}, {b})
+
+
+def test_locks_take_the_path_out_and_the_last_unlock_puts_it_back():
+    a, b = tuple(range(8)), tuple(range(4)) + (9, 9, 9, 9)
+    tree = build([a, b])
+    leaf = match(tree, b)[0][-1]
+    tree.set_host(leaf, pages(50, 51))
+    tree.lock(leaf)
+    tree.lock(leaf)
+    assert members(tree) == ({a}, set())
+    tree.unlock(leaf)
+    assert members(tree) == ({a}, set())
+    tree.unlock(leaf)
+    assert members(tree) == ({a, b}, set())  # on both tiers: an L1 leaf, not yet an L2 one
+
+
+def test_removing_the_last_child_makes_a_host_only_parent_an_l2_leaf():
+    a = tuple(range(8))
+    tree = build([a])
+    head = tree.split(match(tree, a)[0][0], 1)
+    for node in (head.children[token_key(a[4:8])], head):
+        tree.set_host(node, tree.clear_device(node))
+    assert members(tree) == (set(), {a})
+    child = next(iter(head.children.values()))
+    tree.clear_host(child)
+    tree.remove(child)
+    assert members(tree) == (set(), {a[:4]})
+
+
+def test_pop_follows_the_rank_as_it_is_now_not_as_it_was_when_filed():
+    seqs = [tuple(range(4 * i, 4 * i + 4)) for i in range(3)]
+    tree = build(seqs)
+    first = match(tree, seqs[0])[0][0]
+    tree.touch(first)  # filed first, used last
+    popped = [key_tokens(n.key) for n in iter(tree.device_leaves.pop, None)]
+    assert popped == [seqs[1], seqs[2], seqs[0]] and not tree.device_leaves
+    for node in tree.nodes():  # a popped node is the caller's to act on; refiled, each is queued once again
+        tree.refresh(node)
+    assert members(tree) == (set(seqs), set())
+
+
+def test_cutting_a_leaf_s_l1_tail_in_place_keeps_its_head_filed():
+    a, b = tuple(range(16)), tuple(range(4)) + (9,) * 8
+    tree = build([a, b])
+    leaf = match(tree, a)[0][-1]
+    assert torch.equal(tree.cut_device_tail(leaf, 2), pages(4)) and tree.device_pages == 5
+    assert key_tokens(leaf.key) == a[4:12] and torch.equal(leaf.device_indices, pages(2, 3))
+    assert members(tree) == ({a[:12], b}, set())
+    tree.lock(leaf)
+    assert tree.cut_device_tail(leaf, 1) is None and tree.device_pages == 5  # locked: nothing changed
+    tree.unlock(leaf)
+    tree.set_host(leaf, pages(7, 8))
+    assert tree.cut_device_tail(leaf, 1) is None  # it has an L2 copy too

@@ -173,7 +173,7 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
     def scatter(cache: HierarchicalCache, pages: list[int]) -> None:
         started.set()
         time.sleep(0.3)
-        writes.extend(bool(cache.device_alloc._in_use[p]) for p in pages)
+        writes.extend(cache.device_alloc.in_use(p) for p in pages)
         landed.set()
 
     async def kv_source(req, pages: torch.Tensor):

@@ -1,0 +1,94 @@
+"""KV events: which pages this worker holds on which tier, told to KV-aware routers (llm-d's precise prefix-cache
+scorer, NVIDIA Dynamo's KV router) as it changes, in vLLM's event format.
+
+The tree calls ``TreeEvents`` each time a node gains or loses a tier; it turns the node into one event covering
+its pages and hands it to ``emit`` (the publisher's non-blocking ``put``). Nothing here does I/O, so the cache
+stays free of sockets and threads; ``engine/kv_event_publisher.py`` encodes and sends.
+
+What the events say, per page (vLLM calls a page a block):
+- ``block_hashes``: our chained page hash (``RadixTree.page_hashes``: SHA-256 over the parent page's digest and
+  the page's tokens, seeded with the KV layout fingerprint), cut to its first 8 bytes read as a big-endian
+  signed 64-bit integer, the hash type both Dynamo (i64/u64 only) and llm-d (int or bytes) decode.
+- ``parent_block_hash``: the same for the page before the event's first page; None at the start of a prompt.
+- ``token_ids``: the pages' tokens; ``block_size``: the page size.
+- ``medium``: ``GPU`` for L1 (the tier the model computes from, whatever the device: that is what vLLM names
+  its own cache) and ``CPU`` for L2. L3 is not published: its stores are asynchronous and may be dropped, the
+  file and Redis backends evict on their own without telling us, and a Redis store is shared between workers,
+  so "this worker holds it" would be wrong.
+
+Split and remove need no events: a split keeps every page's hash and tiers, and a removed node holds no tier
+(its pages were released first, each release an event).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from decode_worker.cache.radix_tree import RadixTree, TreeNode
+
+MEDIUM_GPU = "GPU"  # L1
+MEDIUM_CPU = "CPU"  # L2
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: str
+
+    def wire(self) -> list:
+        """vLLM's msgspec ``array_like`` tagged form: the tag, then every field in declaration order (lora_id
+        and lora_name, which we never set, in their places as nil)."""
+        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None,
+                self.medium, None]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str
+
+    def wire(self) -> list:
+        return ["BlockRemoved", self.block_hashes, self.medium]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    def wire(self) -> list:
+        return ["AllBlocksCleared"]
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def block_hash(hex_digest: str) -> int:
+    """The event hash of a page: the first 8 bytes of its hex SHA-256 digest, big-endian, signed 64-bit."""
+    value = int(hex_digest[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class TreeEvents:
+    """What ``RadixTree`` calls as nodes gain or lose a tier. The tree holds None instead when events are off."""
+
+    def __init__(self, tree: RadixTree, emit: Callable[[KVEvent], None]):
+        self.tree = tree
+        self.emit = emit
+
+    def stored(self, node: TreeNode, medium: str) -> None:
+        hashes = self.tree.page_hashes(node)
+        parent = node.parent
+        prev = None if parent is self.tree.root else block_hash(self.tree.page_hashes(parent)[-1])
+        tokens = np.frombuffer(node.key, dtype="<i4").tolist()
+        self.emit(BlockStored([block_hash(h) for h in hashes], prev, tokens, self.tree.page_size, medium))
+
+    def removed(self, node: TreeNode, medium: str) -> None:
+        self.emit(BlockRemoved([block_hash(h) for h in self.tree.page_hashes(node)], medium))
+
+    def cleared(self) -> None:
+        self.emit(AllBlocksCleared())
