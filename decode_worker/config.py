@@ -6,6 +6,7 @@ A value of the wrong type, from a flag or the environment, is a `ConfigError` na
 from __future__ import annotations
 
 import argparse
+import json
 from enum import Enum
 from importlib.metadata import version
 from typing import Any
@@ -89,6 +90,10 @@ class ServerConfig(BaseSettings):
                                                          "prefetch", 5.0)
     hicache_storage_file_max_gb: float = _opt("file backend: folder size cap in GB (least recently used pages go "
                                               "first)", 16.0)
+    kv_events_config: str | None = _opt("publish KV events for KV-aware routers (llm-d, Dynamo) over ZMQ in "
+                                        "vLLM's format; JSON as vLLM's and SGLang's flag: publisher (zmq or null), "
+                                        "endpoint (tcp://*:5557), topic, replay_endpoint, buffer_steps, hwm, "
+                                        "max_queue_size, enable_kv_cache_events; unset: off")
     log_level: str = _opt("logging level", "info")
 
     @field_validator("dtype")
@@ -121,11 +126,52 @@ class ServerConfig(BaseSettings):
             raise ConfigError("--hicache-storage-backend needs --disaggregation-decode-enable-hicache")
         if self.hicache_storage_backend == "redis" and not (self.hicache_storage_url or "").startswith("redis://"):
             raise ConfigError("--hicache-storage-backend redis needs --hicache-storage-url redis://host:port")
+        if self.kv_events is not None and not self.radix_cache:
+            raise ConfigError("--kv-events-config needs --disaggregation-decode-enable-radix-cache on the decode "
+                              "role: without prefix reuse nothing is cached to publish")
+
+    @property
+    def kv_events(self) -> dict[str, Any] | None:
+        """The KV event publisher's arguments from ``--kv-events-config``; None when events are off."""
+        return kv_events_settings(self.kv_events_config)
 
     @property
     def radix_cache(self) -> bool:
         """Colocated and prefill roles always reuse prefixes; the decode role only when asked."""
         return self.role != "decode" or self.disaggregation_decode_enable_radix_cache
+
+
+# --kv-events-config keys (vLLM's KVEventsConfig, SGLang's is the same less the first) and their types.
+_KV_EVENTS_KEYS: dict[str, type | tuple[type, ...]] = {
+    "enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": (str, type(None)),
+    "topic": str, "buffer_steps": int, "hwm": int, "max_queue_size": int,
+}
+
+
+def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
+    """Publisher arguments from ``--kv-events-config``, or None for off. Giving the flag turns events on (as in
+    SGLang) unless it says ``"publisher": "null"`` or ``"enable_kv_cache_events": false`` (as in vLLM). Unknown
+    keys and wrong types are refused by name."""
+    if raw is None:
+        return None
+    try:
+        given = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--kv-events-config is not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ConfigError("--kv-events-config must be a JSON object")
+    for key, value in given.items():
+        kind = _KV_EVENTS_KEYS.get(key)
+        if kind is None:
+            raise ConfigError(f"--kv-events-config: unknown key {key!r} (known: {', '.join(_KV_EVENTS_KEYS)})")
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1)):
+            raise ConfigError(f"--kv-events-config: {key} cannot be {value!r}")
+    publisher = given.pop("publisher", "zmq")
+    if publisher not in ("zmq", "null"):
+        raise ConfigError(f"--kv-events-config: publisher must be zmq or null, not {publisher!r}")
+    if not given.pop("enable_kv_cache_events", True) or publisher == "null":
+        return None
+    return given
 
 
 def package_version() -> str:

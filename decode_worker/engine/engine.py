@@ -16,7 +16,7 @@ from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.summary import mask_url, startup_summary
-from decode_worker.engine.wiring import open_storage
+from decode_worker.engine.wiring import open_kv_events, open_storage
 from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
@@ -45,6 +45,7 @@ class Engine:
         self.fetcher = None  # decode role: DeltaKVFetcher
         self.handoff = None  # prefill role: KVHandoff
         self._expiry: asyncio.Task | None = None
+        self.kv_events = None  # ZmqEventPublisher under --kv-events-config
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -71,6 +72,7 @@ class Engine:
             storage_backup_policy=(StorageBackup.HIT_TWICE if write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
                                    else StorageBackup.ALL),
         )
+        self.kv_events = open_kv_events(cfg, self.cache)
         log.info(startup_summary(cfg, self.runner, self.model_path, host_pool.num_pages if host_pool else 0))
 
     async def start(self) -> None:
@@ -129,6 +131,8 @@ class Engine:
             if self.cache.storage is not None:
                 await self.cache.storage.close()  # stores queued backups, within its own deadline
             self.cache.close()
+        if self.kv_events is not None:
+            self.kv_events.close()  # after the cache: its last changes are sent too
 
     # ---- requests ---------------------------------------------------------------------------------------------
 

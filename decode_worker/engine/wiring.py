@@ -1,6 +1,10 @@
 """Cache parts built from the server's flags (the cache package itself knows nothing of flags)."""
 from __future__ import annotations
 
+import logging
+
+from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.kv_events import AllBlocksCleared, TreeEvents
 from decode_worker.cache.pool import KVLayout
 from decode_worker.cache.storage import (
     FileStore,
@@ -10,6 +14,9 @@ from decode_worker.cache.storage import (
     default_folder,
 )
 from decode_worker.config import ServerConfig
+from decode_worker.engine.kv_event_publisher import ZmqEventPublisher, binds
+
+log = logging.getLogger(__name__)
 
 
 def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
@@ -31,3 +38,19 @@ def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
         cap_s=cfg.hicache_storage_prefetch_timeout_cap_s,
     )
     return StorageTier(backend, layout, policy)
+
+
+def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache) -> ZmqEventPublisher | None:
+    """The KV event publisher ``--kv-events-config`` asks for, fed by ``cache``'s tree; None when off (the tree
+    then pays one ``is None`` test per tier change). It opens with ``AllBlocksCleared``: a restarted worker
+    publishing on the same topic holds nothing."""
+    settings = cfg.kv_events
+    if settings is None:
+        return None
+    publisher = ZmqEventPublisher(**settings)
+    publisher.put(AllBlocksCleared())
+    cache.tree.events = TreeEvents(cache.tree, publisher.put)
+    log.info("KV events: %s %s, topic %r%s", "bound to" if binds(publisher.endpoint) else "connected to",
+             publisher.endpoint, settings.get("topic", ""),
+             f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    return publisher

@@ -1,0 +1,134 @@
+"""Sends the cache's KV events (``cache/kv_events.py``) over ZMQ the way vLLM and SGLang do, so llm-d's KV-cache
+indexer and Dynamo's KV router read this worker as they read those engines.
+
+Wire format: each message is three frames, ``[topic, sequence number (8 bytes, big-endian, from 0), payload]``;
+the payload is msgpack ``[timestamp, [event, ...], data_parallel_rank]``, each event the positional array of
+``KVEvent.wire()``. An optional ROUTER socket replays recent batches: a client sends the first sequence number it
+missed (8 bytes, big-endian) and gets ``[seq, payload]`` for each buffered batch from there, then ``[-1, b""]``.
+
+The event loop only ever calls ``put``, which never blocks: events go into a bounded queue and a thread batches,
+encodes and sends them. A full queue drops the event and counts it (a subscriber then holds a stale view until
+the next ``AllBlocksCleared``); a slow subscriber costs nothing here either, as a PUB socket drops past its
+high-water mark.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import msgpack
+import zmq
+
+from decode_worker.cache.kv_events import KVEvent
+
+log = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+MAX_BATCH = 1024  # events per message: bounds one message's size when the cache changes a lot at once
+IDLE_POLL_S = 0.05  # how often an idle sender looks at replay requests and at close
+
+
+def encode_batch(events: list[KVEvent], ts: float, dp_rank: int = 0) -> bytes:
+    """The msgpack payload of one message. The rank is always present: Dynamo decodes the batch as a 3-tuple."""
+    return msgpack.packb([ts, [e.wire() for e in events], dp_rank], use_bin_type=True)
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard host, an IPv6 any-address or a local transport binds; a concrete host connects
+    (llm-d's centralised mode: every worker connects to the indexer's bound socket)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """A PUB socket (and an optional ROUTER for replay) fed from a bounded queue by one sender thread."""
+
+    def __init__(self, endpoint: str = "tcp://*:5557", *, topic: str = "", replay_endpoint: str | None = None,
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000):
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.dropped = 0  # events lost to a full queue
+        self.sent = 0  # batches sent
+        self._topic = topic.encode()
+        self._queue: queue.Queue[KVEvent] = queue.Queue(max_queue_size)
+        self._history: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._closing = threading.Event()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            if binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if self._replay is not None:
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise OSError(f"KV events: cannot open {endpoint} / replay {replay_endpoint}: {e}") from None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def put(self, event: KVEvent) -> None:
+        """Queue one event; never blocks (the event loop calls it from the cache)."""
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("KV events: queue full, dropping events (subscribers fall out of step)")
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (within ``timeout_s``), then close the sockets."""
+        self._closing.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("KV events: sender still busy after %.1f s; closing anyway", timeout_s)
+            return  # the daemon thread owns the sockets until it stops; the process exit reclaims them
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        seq = 0
+        while True:
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                events = [self._queue.get(timeout=IDLE_POLL_S)]
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            while len(events) < MAX_BATCH:
+                try:
+                    events.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                payload = encode_batch(events, time.time())
+                self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+            except Exception:  # a send must not kill the sender; the gap shows in the sequence numbers
+                log.exception("KV events: sending batch %d failed", seq)
+            else:
+                self._history.append((seq, payload))
+                self.sent += 1
+            seq += 1
+
+    def _serve_replays(self) -> None:
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("KV events: malformed replay request (%d frames)", len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self._history):
+                if seq >= start:
+                    self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            self._replay.send_multipart([client, b"", END_OF_REPLAY, b""])
