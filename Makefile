@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1  # its deps would bring another torch; numpy comes next
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m decode_worker.cli fetch-model
 	touch $@

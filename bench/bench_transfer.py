@@ -1,58 +1,45 @@
-"""Delta-KV transfer throughput between two processes over the UCX data plane, against a local memcpy.
+"""The PD data path between two processes: decode READs delta pages straight from prefill's registered KV pool.
 
-This process is the decode side (``KVReceiver``); it spawns itself with ``--role sender`` as the prefill
-side (``KVSender``). Each step is timed from the sender's first ``send()`` to two ends, on the one
-monotonic clock both processes share:
+This process is the decode side; it spawns itself with ``--role prefill``, which registers a pool of known bytes
+(``transfer/agent.py``'s ``KVAgent``, as a prefill worker does) and serves reads. Each step times what a PD request
+waits for once prefill has answered the handshake: ``KVAgent.read`` of the delta's pages, at random indices in both
+pools, from its call until every byte is in decode's pool (the path ``pd/decode.py`` takes; reads of 2 MB and more
+are posted from the copy thread). Bytes are checked after every step. ``pd_path_runs`` times the same read of a
+run of consecutive pages on both sides, as fresh allocations mostly are: the library merges each layer's pages
+into one copy.
 
-- delivered: the receiver's ``expect()`` future settled, i.e. every byte and the trailer are in the decode
-  process (what a decode request waits for);
-- acked: the sender got the receiver's DONE (when prefill may free its copy; one more control hop).
+Two baselines in the same run, each timed once after every transfer step so all three see the same machine
+(absolute speeds on this shared 2-core machine drift 2-3x within minutes: compare the ratios):
 
-Payloads and receive buffers are huge-page host buffers (``core/host_memory.py``), as the staging pools
-on both sides of PD lend them. The memcpy baseline is ``torch`` ``copy_`` of the same bytes between two
-such buffers within the sender process, one sample after each timed step, so both see the same machine
-(absolute speeds on a shared machine drift by 2-3x within minutes; the ratio is what
-to compare). Before each timed copy (transfer, memcpy, CMA) both processes' shared 32 MB L3 is flushed:
-otherwise whichever copy runs second reads what the first left in cache. The memcpy runs on one thread:
-the CMA copy UCX does here is one thread too, and torch's two-thread copy is erratic on a busy 2-core
-machine (medians 0.1-60 GB/s). For reference:
+- ``page_copy``: the same number of pages copied at random inside one pool (``buffer[:, :, dst] =
+  buffer[:, :, src]``), the copy a local cache hit or a same-process hand-off would do;
+- ``memcpy``: one contiguous ``copy_`` of the same bytes, one thread.
 
-- ``memcpy_4k_pages_gbps``: the same copy between plain torch tensors;
-- ``memcpy_hot_loop_gbps``: the copy repeated back to back. Up to 16 MB both buffers fit in the 32 MB L3
-  here, so this runs faster than any single copy does; at 64 MB the two agree.
+Before each timed copy the shared 32 MB L3 is flushed, so no copy reads what the one before left in cache.
 
-``pd_path`` rows time what a PD request waits for around the transfer too: prefill gathers the delta pages
-from its KV pool into a staging buffer, sends it, and decode scatters it into its own pool, each copy through
-``run_page_copy`` as ``pd/prefill.py`` and ``pd/decode.py`` do;
-from the gather's start to the scatter's end. The pools are host ``KVPool``s as the product makes them, of
-256 KB pages, the pages picked at random.
+Two KV layouts: ``smollm2`` (the embedded model on CPU: 30 layers, 3 KV heads, float32, 16-token pages, so a page
+is 60 runs of 12 KB) and ``bf16_4k`` (32 layers, 2 KV heads, bfloat16: 64 runs of 4 KB, the layout the old
+staging path was measured with). Each page is one run per layer and K/V (``buffer[layer, kv, page, ...]``), so a
+transfer moves ``2 * layers`` runs per page; runs of neighbouring pages merge.
 
-``fresh_buffer`` rows receive into a new, never-touched buffer each time, as the decode side did before it
-kept its staging buffers (``transfer/staging.py``): the same transfer, paying first-touch page faults.
+The staged path this replaced (gather into a buffer, UCX send, scatter) measured 0.07 / 0.21 / 0.26 of memcpy at
+1 / 16 / 64 MB with the ``bf16_4k`` layout; it is gone, so it is not re-run here.
 
-The transport's own ceiling is measured too: one ``process_vm_readv`` of the sender's payload into this
-process, the single-threaded cross-process copy (CMA) that UCX's shared-memory zero-copy rendezvous does.
+    python bench/bench_transfer.py [--reps 10]
 
-    python bench/bench_transfer.py [--reps 15] [--progress-mode thread|blocking] [--busy]
-
-``--busy`` runs a torch matmul loop in a second thread of the receiver while it receives, as the decode
-step will. Prints one JSON line.
+Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import base64
-import ctypes
-import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,227 +48,131 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_worker.core.host_memory import host_buffer  # noqa: E402
 from decode_worker.cache.pool import KVLayout, KVPool  # noqa: E402
-from decode_worker.transfer import ucx_channel  # noqa: E402
-from decode_worker.transfer.ucx_receiver import KVReceiver  # noqa: E402
-from decode_worker.transfer.ucx_sender import KVSender  # noqa: E402
-from decode_worker.transfer.staging import run_page_copy  # noqa: E402
-from decode_worker.transfer.wire import Trailer  # noqa: E402
-from decode_worker_kernels.page_copy import gather_pages, scatter_pages  # noqa: E402
+from decode_worker.core.host_memory import host_buffer  # noqa: E402
+from decode_worker.transfer.agent import KVAgent  # noqa: E402
+from decode_worker.transfer.descriptors import PoolDescriptor  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 WARMUP = 3
-IN_FLIGHT = 4
-LAYOUT = KVLayout("bench@0", num_layers=32, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+LAYOUTS = {
+    "smollm2": KVLayout("bench@0", num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.float32),
+    "bf16_4k": KVLayout("bench@1", num_layers=32, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16),
+}
+POOL_BYTES = 160 << 20  # per side and layout: room for 64 MB at random indices
 EVICT_BYTES = 64 << 20  # twice the L3
-POOL_PAGES = 512  # 256 KB pages (LAYOUT.page_bytes): 128 MB per side
 
 
-def pd_pages(n: int, seed: int) -> torch.Tensor:
-    """The pool pages holding an ``n``-byte delta, scattered across the pool as a running cache leaves them."""
-    return torch.randperm(POOL_PAGES, generator=torch.Generator().manual_seed(seed))[:n // LAYOUT.page_bytes]
+def pool_of(layout: KVLayout, seed: int | None) -> KVPool:
+    """A host pool of ``POOL_BYTES``; with ``seed``, filled with bytes both processes can regenerate."""
+    pool = KVPool(layout, POOL_BYTES // layout.page_bytes)
+    if seed is not None:
+        pool.buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    return pool
 
 
-def staged(buf: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``buf`` seen as the staging blob of ``pages``: ``[layer, 2, n, page_size, kv_heads, head_dim]``."""
-    return buf.view(LAYOUT.dtype).view(LAYOUT.pages_shape(pages.numel()))
+def serve(args: argparse.Namespace) -> None:
+    """Prefill: register one seeded pool per layout, print what decode needs to read them, and drive progress (and
+    count release notifications) until decode closes our stdin."""
+    agents = {name: KVAgent(pool_of(layout, seed).buffer, "prefill")
+              for seed, (name, layout) in enumerate(LAYOUTS.items(), 1)}
+    print(json.dumps({name: {"metadata": base64.b64encode(a.metadata()).decode(), "pool": a.pool.to_dict()}
+                      for name, a in agents.items()}), flush=True)
+    done, released = threading.Event(), 0
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    while not done.is_set():
+        released += sum(len(a.notifications()) for a in agents.values())
+        time.sleep(0.0005)
+    print(json.dumps({"released": released}), flush=True)
 
 
-def plan(reps: int) -> list[list[tuple[str, int, list[int]]]]:
-    """Steps in sending order, one group per size and kind, as (kind, nbytes, rooms sent at once): a few warm-up
-    transfers (wire-up, page faults), ``reps`` single transfers, ``reps`` groups of ``IN_FLIGHT``
-    concurrent ones, ``reps`` single transfers into fresh buffers (what a transfer costs without the
-    staging pool: first-touch page faults), then ``reps`` single PD paths (gather, transfer, scatter)."""
-    rooms = itertools.count(1)
-    return [[(kind, mb << 20, [next(rooms) for _ in range(width)]) for _ in range(count)]
-            for mb in SIZES_MB
-            for kind, count, width in (("warmup", WARMUP, 1), ("serial", reps, 1), ("concurrent", reps, IN_FLIGHT),
-                                       ("fresh", reps, 1), ("pd_path", reps, 1))]
-
-
-async def receive(args: argparse.Namespace) -> dict[str, dict]:
-    """Per group: expect its rooms, hand their push addresses to the sender, and time each step's delivery.
-
-    Rooms are expected one group at a time: each expected room holds a posted receive, and a hundred at
-    once would drain ucxx's pool of completion futures.
-    """
-    rx = await KVReceiver.start()
-    sender = subprocess.Popen([sys.executable, __file__, "--role", "sender", "--reps", str(args.reps),
-                               "--progress-mode", args.progress_mode],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    times: dict[str, dict] = {"acked": {}, "delivered": {}, "memcpy": {}, "memcpy_4k_pages": {}, "memcpy_hot": {},
-                              "cma": {}}
-    sinks = {mb << 20: [host_buffer(mb << 20).fill_(1) for _ in range(IN_FLIGHT)] for mb in SIZES_MB}
-    pool = KVPool(LAYOUT, POOL_PAGES)
+async def measure(args: argparse.Namespace) -> dict:
+    prefill = subprocess.Popen([sys.executable, __file__, "--role", "prefill"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    peers = json.loads(await asyncio.to_thread(prefill.stdout.readline))
     evict = cache_evictor()
-    settled: dict[int, float] = {}
-
-    async def deliver(room: int, received: asyncio.Future, sink: torch.Tensor, pd_path: bool) -> None:
-        await received
-        if pd_path:
-            pages = pd_pages(sink.numel(), 2 * room + 1)
-            await run_page_copy(sink.numel(), scatter_pages, staged(sink, pages), pool.buffer, pages)
-        settled[room] = time.perf_counter()
-
-    for group in plan(args.reps):
-        deliveries, addresses = [], {}
-        for kind, n, rooms in group:
-            for i, room in enumerate(rooms):
-                sink = torch.empty(n, dtype=torch.uint8) if kind == "fresh" else sinks[n][i]
-                received = rx.expect(room, n, sink, deadline_s=300)
-                deliveries.append(deliver(room, received, sink, kind == "pd_path"))
-                addresses[room] = base64.b64encode(rx.push_address(room)).decode()
-        sender.stdin.write(json.dumps(addresses) + "\n")
-        sender.stdin.flush()
-        await asyncio.gather(*deliveries)
-        report = json.loads(await asyncio.to_thread(sender.stdout.readline))
-        n = group[0][1]
-        if group[0][0] == "serial":
-            times["cma"][n] = [evict() or cma_read(report["pid"], report["payload"], sinks[n][0], n)
-                               for _ in range(args.reps)]
-            times["memcpy_hot"][n] = report["hot"]
-        for (kind, n, rooms), (t0, acked, copy, plain_copy) in zip(group, report["steps"], strict=True):
-            if kind != "warmup":
-                times["acked"].setdefault(kind, {}).setdefault(n, []).append(acked - t0)
-                times["delivered"].setdefault(kind, {}).setdefault(n, []).append(max(settled[r] for r in rooms) - t0)
-                times["memcpy"].setdefault(n, []).append(copy)
-                times["memcpy_4k_pages"].setdefault(n, []).append(plain_copy)
-    sender.stdin.close()
-    await asyncio.to_thread(sender.wait)
-    await rx.close()
-    if sender.returncode:
-        raise SystemExit(f"sender failed with {sender.returncode}")
-    return times
-
-
-async def send(args: argparse.Namespace) -> None:
-    """Per group print (start, last DONE, memcpy seconds, plain-pages memcpy seconds) per step, the clock starting at the first send(),
-    then wait for the next group's addresses with the payload in place, for the receiver's CMA reads."""
-    torch.set_num_threads(1)
-    tx = await KVSender.start()
-    payloads = {mb << 20: host_buffer(mb << 20).copy_(torch.randint(0, 256, (mb << 20,), dtype=torch.uint8))
-                for mb in SIZES_MB}
-    scratches = {n: host_buffer(n).fill_(1) for n in payloads}
-    plain = {n: (p.clone(), torch.ones_like(p)) for n, p in payloads.items()}  # torch's own 4 KB-page tensors
-    pool = KVPool(LAYOUT, POOL_PAGES)
-    pool.buffer.uniform_()
-    evict = cache_evictor()
-
-    async def push(kind: str, room: int, payload: torch.Tensor) -> None:
-        if kind == "pd_path":
-            pages = pd_pages(payload.numel(), 2 * room)
-            await run_page_copy(payload.numel(), gather_pages, pool.buffer, pages, staged(payload, pages))
-        await tx.send(addresses[room], room, payload, Trailer(room), deadline_s=60)
-
-    for group in plan(args.reps):
-        addresses = {int(room): base64.b64decode(a) for room, a in json.loads(sys.stdin.readline()).items()}
-        payload, scratch, (plain_src, plain_dst) = payloads[group[0][1]], scratches[group[0][1]], plain[group[0][1]]
-        steps = []
-        for kind, _, rooms in group:
-            evict()
-            t0 = time.perf_counter()
-            await asyncio.gather(*(push(kind, r, payload) for r in rooms))
-            t1 = time.perf_counter()
-            evict()
-            copy = timed_copy(scratch, payload)
-            evict()
-            steps.append((t0, t1, copy, timed_copy(plain_dst, plain_src)))
-        hot = [timed_copy(scratch, payload) for _ in range(args.reps)] if group[0][0] == "serial" else []
-        print(json.dumps({"steps": steps, "hot": hot, "pid": os.getpid(), "payload": payload.data_ptr()}), flush=True)
-    await tx.close()
+    result, reads = {}, 0
+    for seed, (name, layout) in enumerate(LAYOUTS.items(), 1):
+        pool = pool_of(layout, None)
+        agent = KVAgent(pool.buffer, "decode")
+        peer = agent.add_peer(base64.b64decode(peers[name]["metadata"]), PoolDescriptor.from_dict(peers[name]["pool"]))
+        reference = pool_of(layout, seed).buffer  # prefill's bytes, to check each read against
+        rng = torch.Generator().manual_seed(seed)
+        rows = {}
+        for mb in SIZES_MB:
+            n_pages = max(1, (mb << 20) // layout.page_bytes)
+            times: dict[str, list[float]] = {"pd_path": [], "pd_path_runs": [], "page_copy": [], "memcpy": []}
+            src, dst = host_buffer(n_pages * layout.page_bytes).fill_(1), host_buffer(n_pages * layout.page_bytes)
+            for step in range(WARMUP + args.reps):
+                theirs, ours = (torch.randperm(pool.num_pages, generator=rng)[:n_pages] for _ in range(2))
+                evict()
+                t0 = time.perf_counter()
+                await agent.read(step, peer, ours.tolist(), theirs.tolist(), asyncio.get_running_loop().time() + 60)
+                elapsed = time.perf_counter() - t0
+                agent.notify(peer.name, b"release")  # as pd/decode.py does, after the read: not on its path
+                reads += 1
+                if not torch.equal(pool.buffer[:, :, ours].view(torch.uint8), reference[:, :, theirs].view(torch.uint8)):
+                    raise SystemExit(f"{name} {mb} MB: bytes read differ from prefill's")
+                if step < WARMUP:
+                    continue
+                times["pd_path"].append(elapsed)
+                start_theirs, start_ours = (int(torch.randint(pool.num_pages - n_pages + 1, (1,), generator=rng))
+                                            for _ in range(2))
+                evict()
+                t0 = time.perf_counter()
+                await agent.read(step, peer, list(range(start_ours, start_ours + n_pages)),
+                                 list(range(start_theirs, start_theirs + n_pages)), asyncio.get_running_loop().time() + 60)
+                times["pd_path_runs"].append(time.perf_counter() - t0)
+                a, b = (torch.randperm(pool.num_pages, generator=rng)[:n_pages] for _ in range(2))
+                evict()
+                times["page_copy"].append(timed(lambda: pool.buffer.__setitem__((slice(None), slice(None), b),
+                                                                               pool.buffer[:, :, a])))
+                evict()
+                times["memcpy"].append(timed(lambda: dst.copy_(src)))
+            nbytes = n_pages * layout.page_bytes
+            gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+            rows[f"{mb}MB"] = {"bytes": nbytes, "pd_path_ms": round(statistics.median(times["pd_path"]) * 1e3, 3),
+                               "pd_path_gbps": round(gbps["pd_path"], 2), "page_copy_gbps": round(gbps["page_copy"], 2),
+                               "memcpy_gbps": round(gbps["memcpy"], 2),
+                               "ratio_vs_page_copy": round(gbps["pd_path"] / gbps["page_copy"], 2),
+                               "ratio_vs_memcpy": round(gbps["pd_path"] / gbps["memcpy"], 2),
+                               "pd_path_runs_ms": round(statistics.median(times["pd_path_runs"]) * 1e3, 3),
+                               "runs_ratio_vs_page_copy": round(gbps["pd_path_runs"] / gbps["page_copy"], 2)}
+        agent.close()
+        result[name] = {"page_bytes": layout.page_bytes, "run_bytes": layout.page_bytes // (2 * layout.num_layers),
+                        **rows}
+    prefill.stdin.close()
+    released = json.loads(await asyncio.to_thread(prefill.stdout.readline))["released"]
+    await asyncio.to_thread(prefill.wait)
+    result["release_notifications"] = f"{released} of {reads}"
+    return result
 
 
-def cache_evictor() -> Callable[[], None]:
-    """A call that pushes everything out of the 32 MB L3 shared by both processes, so that each timed copy of
-    a step (transfer, memcpy, CMA) starts from memory, as a copy of KV that was not just copied does."""
+def cache_evictor():
+    """A call that pushes everything out of the 32 MB L3 shared by both processes."""
     src, dst = host_buffer(EVICT_BYTES).fill_(1), host_buffer(EVICT_BYTES)
-
-    def evict() -> None:
-        dst.copy_(src)
-    return evict
+    return lambda: dst.copy_(src)
 
 
-def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+def timed(copy) -> float:
     t0 = time.perf_counter()
-    dst.copy_(src)
+    copy()
     return time.perf_counter() - t0
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def cma_read(pid: int, address: int, into: torch.Tensor, nbytes: int) -> float:
-    """Seconds for one process_vm_readv of ``nbytes`` at ``address`` in process ``pid`` into ``into``."""
-    local, remote = _IOVec(into.data_ptr(), nbytes), _IOVec(address, nbytes)
-    t0 = time.perf_counter()
-    done = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-    elapsed = time.perf_counter() - t0
-    if done != nbytes:
-        raise OSError(ctypes.get_errno(), f"process_vm_readv read {done} of {nbytes} bytes")
-    return elapsed
-
-
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def busy_loop(stop: threading.Event) -> None:
-    a = torch.randn(512, 512)
-    while not stop.is_set():
-        a = torch.tanh(a @ a)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--progress-mode", default=ucx_channel.PROGRESS_MODE, choices=("thread", "blocking"))
-    p.add_argument("--busy", action="store_true", help="compute in a second receiver thread meanwhile")
-    p.add_argument("--role", default="receiver", choices=("receiver", "sender"), help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--role", default="decode", choices=("decode", "prefill"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    ucx_channel.PROGRESS_MODE = args.progress_mode
-    if args.role == "sender":
-        uvloop.run(send(args))
+    torch.set_num_threads(1)  # memcpy and the page copy on one thread, as the CMA read is
+    if args.role == "prefill":
+        serve(args)
         return
-    stop = threading.Event()
-    busy = threading.Thread(target=busy_loop, args=(stop,), daemon=True)
-    if args.busy:
-        busy.start()
-    times = uvloop.run(receive(args))
-    stop.set()
-    if args.busy:
-        busy.join()  # a torch op cut off by interpreter exit aborts the process
-    result = {"bench": "kv_transfer", "progress_mode": args.progress_mode, "busy": args.busy, "reps": args.reps,
-              "ucx": "first send() until the receiver holds every byte (delivered) / the sender got DONE (acked)",
-              "memcpy": "torch copy_, 1 thread, huge-page buffers as staged",
-              "cma": "one process_vm_readv, the transport's ceiling",
-              "pd_path": "prefill's gather until decode's scatter ended, pages at random in 256 KB-page pools",
-              "stat": "median", "ratio": "delivered / memcpy"}
-    for mb in SIZES_MB:
-        n = mb << 20
-        copy = n / statistics.median(times["memcpy"][n]) / 1e9
-        cma = n / statistics.median(times["cma"][n]) / 1e9
-        plain_copy = n / statistics.median(times["memcpy_4k_pages"][n]) / 1e9
-        hot = n / statistics.median(times["memcpy_hot"][n]) / 1e9
-        row = {"memcpy_gbps": round(copy, 2), "memcpy_4k_pages_gbps": round(plain_copy, 2),
-               "memcpy_hot_loop_gbps": round(hot, 2), "cma_gbps": round(cma, 2), "cma_ratio": round(cma / copy, 2)}
-        for end in ("delivered", "acked"):
-            for kind, width in (("serial", 1), ("concurrent", IN_FLIGHT)):
-                gbps = width * n / statistics.median(times[end][kind][n]) / 1e9
-                suffix = f"{end}" + ("" if width == 1 else f"_{width}_in_flight")
-                row[f"ucx_gbps_{suffix}"] = round(gbps, 2)
-                row[f"ratio_{suffix}"] = round(gbps / copy, 2)
-        fresh = n / statistics.median(times["delivered"]["fresh"][n]) / 1e9
-        row["ucx_gbps_delivered_fresh_buffer"] = round(fresh, 2)
-        row["ratio_delivered_fresh_buffer"] = round(fresh / copy, 2)
-        pd_path = statistics.median(times["delivered"]["pd_path"][n])
-        row["pd_path_ms"] = round(pd_path * 1e3, 2)
-        row["pd_path_gbps"] = round(n / pd_path / 1e9, 2)
-        row["ratio_pd_path"] = round(row["pd_path_gbps"] / copy, 2)
-        row["ratio"] = row["ratio_delivered"]
-        row["delivered_vs_cma"] = round(row["ucx_gbps_delivered"] / cma, 2)
-        row["ratio_delivered_vs_hot_loop"] = round(row["ucx_gbps_delivered"] / hot, 2)
-        result[f"{mb}MB"] = row
+    result = {"bench": "kv_transfer", "data_plane": "NIXL READ (UCX backend), pool to pool", "reps": args.reps,
+              "stat": "median", "pd_path": "KVAgent.read of random pages into random pages, bytes checked",
+              "page_copy": "random pages inside one pool, 1 thread", "memcpy": "contiguous copy_, 1 thread",
+              **uvloop.run(measure(args))}
     print(json.dumps(result))
 
 

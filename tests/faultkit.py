@@ -1,13 +1,14 @@
 """Fault injection over real processes: stub peers, a delaying TCP proxy, router-like PD traffic with client
 aborts, and the checks every fault must pass (health, no locked pages once idle, page accounting, greedy parity).
 
-``python -m tests.faultkit die-at-transfer N serve ...`` runs a prefill worker that SIGKILLs itself in the
-middle of its Nth KV push (the OFFER is out, the payload never leaves): the deterministic form of "prefill died
-mid-transfer", which a kill from outside hits only by luck because a push lasts milliseconds.
+``python -m tests.faultkit die-at-transfer N serve ...`` runs a prefill worker that SIGKILLs itself as soon as
+its Nth handshake answer is out, while its decode peer reads the pages the answer named: the near-deterministic
+form of "prefill died mid-transfer", which a kill from outside hits only by luck because a read lasts milliseconds.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import os
@@ -111,9 +112,9 @@ def prompt_margins(model_path: Path) -> list[float]:
 # ---- peers and proxies written for the tests ---------------------------------------------------------------------
 
 class StubPrefill:
-    """A prefill peer that does everything but send: ``/generate`` answers at once, and the PD handshake is
-    either accepted like prefill accepts it (``accept``: 200 ``sending``, then no KV ever comes) or held open
-    without an answer (``hang``). Records when each handshake arrived, by room."""
+    """A prefill peer that has no KV to give: ``/generate`` answers at once, and the PD handshake is either
+    answered like prefill answers it but naming an agent no one can reach (``accept``) or held open without an
+    answer (``hang``). Records when each handshake arrived, by room."""
 
     def __init__(self, mode: str):
         assert mode in ("accept", "hang")
@@ -136,8 +137,11 @@ class StubPrefill:
                     if stub.mode == "hang":
                         stub._release.wait(600)
                         return
-                    self._reply(200, {"status": "sending", "room": body["room"],
-                                      "tokens": body["prompt_len"] - body["decode_prefix_len"]})
+                    pool = {"agent": stub.name, "base": 4096, "num_pages": 64, "planes": 60, "chunk_bytes": 12288}
+                    self._reply(200, {"status": "ready", "room": body["room"], "lease": 1, "pages": [1] * 13,
+                                      "first_token": 1, "logprob": 0.0, "pool": pool,
+                                      "metadata": base64.b64encode(b"no agent here").decode(),
+                                      "hold_s": 30.0, "waited_s": 0.0})
                 else:  # what a router's prefill POST gets: prefill "finished" and holds nothing
                     self._reply(200, {"text": "", "output_ids": [], "meta_info": {}})
 
@@ -275,27 +279,23 @@ def died_mid_transfer(proc: Proc) -> tuple[int, float] | None:
 
 
 def _die_at_transfer(n: int) -> None:
-    """Patch the prefill's sender: the ``n``-th payload lets its OFFER go out, then the process dies."""
-    import contextvars
+    """Patch the prefill's hand-off: the ``n``-th handshake answer goes out, then the process dies while its
+    decode peer reads the pages the answer named."""
+    from decode_worker.pd import prefill
 
-    from decode_worker.transfer import ucx_sender
+    handshake, count = prefill.KVHandoff.handshake, itertools.count(1)
 
-    room_of_send: contextvars.ContextVar[int] = contextvars.ContextVar("room")  # the payload task inherits it
-    send, send_payload, count = ucx_sender.KVSender.send, ucx_sender._send_payload, itertools.count(1)
+    def die(room: int) -> None:
+        print(f"faultkit: SIGKILL mid-transfer room={room} at={time.time()}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    async def send_in_room(self, push_address: bytes, room: int, *args, **kwargs) -> None:
-        room_of_send.set(room)
-        await send(self, push_address, room, *args, **kwargs)
-
-    async def payload_or_death(bulk, buf, tag: int) -> None:
+    async def handshake_then_death(self, body) -> dict:
+        answer = await handshake(self, body)
         if next(count) == n:
-            await asyncio.sleep(0.05)  # the OFFER, spawned after this task, is sent meanwhile
-            print(f"faultkit: SIGKILL mid-transfer room={room_of_send.get()} at={time.time()}", file=sys.stderr,
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        await send_payload(bulk, buf, tag)
+            asyncio.get_running_loop().call_later(0.002, die, body.room)  # once the answer is written
+        return answer
 
-    ucx_sender.KVSender.send, ucx_sender._send_payload = send_in_room, payload_or_death
+    prefill.KVHandoff.handshake = handshake_then_death
 
 
 # ---- router-like traffic -----------------------------------------------------------------------------------------
@@ -517,9 +517,14 @@ def log_errors(proc: Proc) -> list[str]:
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             found.append(next((l for l in lines[i + 1:] if l and not l[0].isspace()), line))
-        elif " ERROR " in line or line.startswith("ERROR"):
+        elif (" ERROR " in line or line.startswith("ERROR")) and not _ucx_peer_gone(line):
             found.append(line)
     return found
+
+
+def _ucx_peer_gone(line: str) -> bool:
+    """UCX's own log of a connection to a prefill that was killed: the read fails with peer_lost, as it must."""
+    return "UCX  ERROR" in line and any(s in line for s in ("Connection refused", "Connection reset", "somaxconn"))
 
 
 def summarize(outcomes: list[Outcome]) -> dict:

@@ -16,7 +16,7 @@ from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.summary import mask_url, startup_summary
-from decode_worker.engine.wiring import open_kv_events, open_storage
+from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
@@ -79,17 +79,7 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
-        if cfg.role == "decode":
-            from decode_worker.pd.decode import DeltaKVFetcher
-            from decode_worker.transfer.ucx_receiver import KVReceiver
-
-            receiver = await KVReceiver.start(cfg.ucx_host, cfg.ucx_port)
-            self.fetcher = DeltaKVFetcher(cfg, self.runner.pool, receiver, self.metrics)
-        elif cfg.role == "prefill":
-            from decode_worker.pd.prefill import KVHandoff
-            from decode_worker.transfer.ucx_sender import KVSender
-
-            self.handoff = KVHandoff(cfg, self.runner.pool, await KVSender.start(), self.metrics)
+        self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics)
         self.scheduler = Scheduler(
             self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,
             eos_token_ids=tok.eos_token_ids, decode_text=tok.decode,
@@ -125,7 +115,6 @@ class Engine:
             await self.handoff.close()
         if self.fetcher is not None:
             await self.fetcher.close()
-            await self.fetcher.receiver.close()
         if self.cache is not None:
             self.cache.drain()  # finished L1->L2 copies queue their L3 backups
             if self.cache.storage is not None:

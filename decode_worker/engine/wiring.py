@@ -1,11 +1,12 @@
-"""Cache parts built from the server's flags (the cache package itself knows nothing of flags)."""
+"""Cache parts and the PD data plane built from the server's flags (those packages know nothing of flags)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.kv_events import AllBlocksCleared, TreeEvents
-from decode_worker.cache.pool import KVLayout
+from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.cache.storage import (
     FileStore,
     PrefetchPolicy,
@@ -15,6 +16,11 @@ from decode_worker.cache.storage import (
 )
 from decode_worker.config import ServerConfig
 from decode_worker.engine.kv_event_publisher import ZmqEventPublisher, binds
+from decode_worker.metrics import Metrics
+
+if TYPE_CHECKING:
+    from decode_worker.pd.decode import DeltaKVFetcher
+    from decode_worker.pd.prefill import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +60,22 @@ def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache) -> ZmqEventPubli
              publisher.endpoint, settings.get("topic", ""),
              f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
     return publisher
+
+
+def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
+    """The role's half of PD over a NIXL agent that registers ``pool`` once: the decode role's fetcher, the
+    prefill role's hand-off, or neither (colocated: NIXL is not even imported)."""
+    if cfg.role not in ("decode", "prefill"):
+        return None, None
+    from decode_worker.transfer.agent import KVAgent
+
+    if cfg.ucx_port:
+        log.warning("--ucx-port %d is not used: the NIXL data plane needs no listener of ours", cfg.ucx_port)
+    agent = KVAgent(pool.buffer, cfg.role)
+    if cfg.role == "decode":
+        from decode_worker.pd.decode import DeltaKVFetcher
+
+        return DeltaKVFetcher(cfg, pool, agent, metrics), None
+    from decode_worker.pd.prefill import KVHandoff
+
+    return None, KVHandoff(cfg, pool, agent, metrics)

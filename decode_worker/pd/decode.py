@@ -1,28 +1,32 @@
-"""Decode side of PD: ask prefill for the delta KV, receive it over UCX into the request's pages.
+"""Decode side of PD: ask prefill for a prompt's KV early, then read the delta straight into the request's pages.
 
-Order matters: the receive is posted (``expect``) before the handshake, so prefill's push always finds it;
-the handshake carries the push address of that receive.
-The receive's future settles only when nothing writes into the staging buffer any more, so every exit
-path waits for it before the pages can be reused.
+The handshake goes out while the request is still queued (``prepare``), so prefill's compute and the L3 prefetch
+run at the same time; prefill answers once it holds the room's KV, with its page indices, the first token and its
+logprob. Only then does admission fix the prefix (what L1, L2 and the landed prefetch hold) and allocate the delta
+pages, and ``receive`` READs pages ``[prefix, prompt_len)`` from prefill's registered pool into them. Then a
+release notification tells prefill to free its pages; a request that gives up after the answer sends it too.
+
+The read must end before prefill's hold does: its deadline is at most ``asked + waited_s + hold_s`` minus a
+margin, where ``asked`` is when we posted the handshake and ``waited_s``/``hold_s`` come from prefill. Prefill's
+answer went out no earlier than ``asked + waited_s`` on any clock, so the read never runs from a page prefill
+reused, whatever the network delay.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
 import torch
-from decode_worker_kernels.page_copy import scatter_pages
 
 from decode_worker.config import ServerConfig
-from decode_worker.core.request import RequestError
+from decode_worker.core.request import Bootstrap, RequestError
 from decode_worker.metrics import Metrics
-from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, prompt_digest
-from decode_worker.transfer.staging import StagingPool, run_page_copy
-from decode_worker.transfer.ucx_receiver import KVReceiver
-from decode_worker.transfer.wire import TransferError
+from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, Answer, prompt_digest, release_message
+from decode_worker.transfer.agent import KVAgent, Peer, TransferError
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
 HANDSHAKE_KEEPALIVE_S = 1.0
 """How long an idle connection to a prefill worker is kept for the next handshake; well under the server's."""
+HOLD_MARGIN_S = 1.0
+"""How much earlier than prefill's hold our read must end."""
 
 
 def handshake_client(timeout_s: float) -> httpx.AsyncClient:
@@ -41,20 +47,34 @@ def handshake_client(timeout_s: float) -> httpx.AsyncClient:
         max_connections=100, max_keepalive_connections=20, keepalive_expiry=HANDSHAKE_KEEPALIVE_S))
 
 
+@dataclass(eq=False)
+class _Room:
+    """One request's hand-off from prefill: the handshake in flight, then its answer."""
+
+    boot: Bootstrap
+    asked: float  # monotonic time the handshake was posted
+    task: asyncio.Task[tuple[Answer, Peer]]
+    released: bool = False  # prefill was told to free the room's pages (by the read's notification or on its own)
+
+
 class DeltaKVFetcher:
     """The decode role's prompt source (``scheduler.roles.PromptSource``): a fresh request's prompt KV comes
     from its prefill peer."""
 
-    def __init__(self, config: ServerConfig, pool: KVPool, receiver: KVReceiver, metrics: Metrics):
+    def __init__(self, config: ServerConfig, pool: KVPool, agent: KVAgent, metrics: Metrics):
         self.config = config
         self.pool = pool
-        self.receiver = receiver
+        self.agent = agent
         self.metrics = metrics
         self.http = handshake_client(config.handshake_timeout_s)
-        self.staging = StagingPool()  # received KV lands in host memory, then is scattered into the pool
+        self._rooms: dict[str, _Room] = {}  # by request id
+        self._known: dict[tuple[str, int], str] = {}  # prefill (host, port) -> its agent, loaded here
 
     async def close(self) -> None:
+        for rid in list(self._rooms):
+            self._forget_room(rid)
         await self.http.aclose()
+        self.agent.close()
 
     def _fail(self, reason: str, message: str, status: int = 502) -> RequestError:
         self.metrics.transfer_failures.labels(reason).inc()
@@ -64,37 +84,69 @@ class DeltaKVFetcher:
         """Every fresh prompt comes from prefill; a retracted request recomputes what it lost here."""
         return not req.seq.output_ids
 
+    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
+        """Post the handshake of a queued request now, so prefill's answer and the L3 prefetch race."""
+        if self.receives(req) and req.rid not in self._rooms:
+            self._start(req).task.add_done_callback(lambda _: wakeup())
+
+    def answered(self, req: Req) -> bool:
+        """True once waiting any longer for L3 would delay the request: prefill answered, or the handshake failed."""
+        room = self._rooms.get(req.rid)
+        return room is not None and room.task.done()
+
+    def forget(self, req: Req) -> None:
+        """The request left before admission: stop its handshake, and free prefill's pages if it had answered."""
+        self._forget_room(req.rid)
+
     async def receive(self, req: Req, delta_pages: torch.Tensor) -> tuple[int, float]:
-        """Receive KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
-        boot = req.inp.bootstrap
-        layout = self.pool.layout
-        prompt = req.seq.prompt_ids
-        prefix = req.prefix_pages * layout.page_size
-        with self.staging.borrow(layout.pages_shape(delta_pages.numel()), layout.dtype) as staging:
-            received = self.receiver.expect(boot.room, staging.nbytes, staging,
-                                            self.config.handshake_timeout_s + self.config.transfer_timeout_s)
+        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
+        room = self._rooms.get(req.rid) or self._start(req)
+        try:
+            answer, peer = await room.task
+            await self._read(req, room, answer, peer, delta_pages.tolist())
+            return answer.first_token, answer.logprob
+        finally:
+            self._forget_room(req.rid)
+
+    async def _read(self, req: Req, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> None:
+        ps, prompt = self.pool.page_size, req.seq.prompt_ids
+        prefix_pages = req.prefix_pages
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        hold_ends = room.asked + answer.waited_s + answer.hold_s - HOLD_MARGIN_S  # monotonic, see the module doc
+        budget = min(self.config.transfer_timeout_s, hold_ends - started)
+        if budget <= 0:  # admitted after prefill's hold: its pages may be reused by now
+            raise self._fail("timeout", f"prefill {room.boot.host}:{room.boot.port} held room {answer.room}'s KV "
+                                        f"for {answer.hold_s:.0f}s; it was gone before this request was admitted", 504)
+        deadline = loop.time() + budget
+        if into:  # a full prefix hit reads nothing, and prefill still waits for the release
             try:
-                asked = time.monotonic()
-                await self._handshake(boot, prefix, prompt)  # answers once prefill holds the room's KV
-                started = time.monotonic()
-                self.metrics.kv_handshake_seconds.observe(started - asked)
-                self.receiver.set_deadline(boot.room, self.config.transfer_timeout_s)  # the push's own deadline
-                trailer = await received
+                await self.agent.read(answer.room, peer, into, answer.pages[prefix_pages:], deadline)
             except TransferError as e:
-                raise self._fail(e.reason, f"KV transfer from prefill {boot.host}:{boot.port} failed: {e.reason}"
-                                           + (f" ({e.detail})" if e.detail else ""), 504 if e.reason == "timeout" else 502) from e
-            finally:
-                if not received.done():
-                    self.receiver.cancel(boot.room)
-                try:  # the buffer may be reused only once the receiver let go of it
-                    await asyncio.shield(received)
-                except (TransferError, asyncio.CancelledError):
-                    pass
-            await run_page_copy(staging.nbytes, scatter_pages, staging, self.pool.buffer, delta_pages)
-        self.metrics.kv_received_tokens.inc(len(prompt) - prefix)
-        self.metrics.kv_received_bytes.inc(staging.nbytes)
+                raise self._fail(e.reason, f"KV transfer from prefill {room.boot.host}:{room.boot.port} failed: "
+                                           f"{e.reason}" + (f" ({e.detail})" if e.detail else ""),
+                                 504 if e.reason == "timeout" else 502) from e
+            room.released = self.agent.notify(peer.name, release_message(answer.room, answer.lease))
+        self.metrics.kv_received_tokens.inc(len(prompt) - prefix_pages * ps)
+        self.metrics.kv_received_bytes.inc(len(into) * self.pool.layout.page_bytes)
         self.metrics.kv_transfer.observe(time.monotonic() - started)
-        return trailer.first_token, trailer.logprob
+
+    def _start(self, req: Req) -> _Room:
+        boot = req.inp.bootstrap
+        task = asyncio.get_running_loop().create_task(self._handshake(boot, req.seq.prompt_ids))
+        room = self._rooms[req.rid] = _Room(boot, time.monotonic(), task)
+        return room
+
+    def _forget_room(self, rid: str) -> None:
+        room = self._rooms.pop(rid, None)
+        if room is None:
+            return
+        if not room.task.done():
+            room.task.cancel()
+        elif not room.released and not room.task.cancelled() and room.task.exception() is None:
+            answer, peer = room.task.result()
+            room.released = True
+            self.agent.notify(peer.name, release_message(answer.room, answer.lease))
 
     def _auth_headers(self) -> dict[str, str]:
         """The pair's PD token in its header (never in the body), and our API key: the prefill worker of one
@@ -104,16 +156,14 @@ class DeltaKVFetcher:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         return headers
 
-    async def _handshake(self, boot, prefix: int, prompt: list[int]) -> None:
-        body = {
-            "room": boot.room,
-            "decode_prefix_len": prefix,
-            "prompt_len": len(prompt),
-            "prompt_digest": prompt_digest(prompt),
-            "ucx_address": base64.b64encode(self.receiver.push_address(boot.room)).decode(),
-            "layout": self.pool.layout.describe(),
-        }
+    async def _handshake(self, boot: Bootstrap, prompt: list[int]) -> tuple[Answer, Peer]:
+        """Ask prefill for the room; answers once prefill holds its KV. Loads prefill's agent the first time."""
+        peer_key = (boot.host, boot.port)
+        body = {"room": boot.room, "prompt_len": len(prompt), "prompt_digest": prompt_digest(prompt),
+                "layout": self.pool.layout.describe(), "nixl_agent": self.agent.name,
+                "known_agent": self._known.get(peer_key, "")}
         url = f"http://{boot.host}:{boot.port}{HANDSHAKE_PATH}"
+        asked = time.monotonic()
         try:
             resp = await self.http.post(url, json=body, headers=self._auth_headers())
         except httpx.TimeoutException as e:
@@ -127,3 +177,25 @@ class DeltaKVFetcher:
                 detail = resp.text[:300]
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
+        self.metrics.kv_handshake_seconds.observe(time.monotonic() - asked)
+        try:
+            answer = Answer.from_json(resp.json())
+        except (KeyError, TypeError, ValueError) as e:  # not a prefill of this version: say so, never guess
+            raise self._fail("handshake_rejected", f"prefill's handshake answer is malformed: {e!r}") from e
+        return answer, self._peer(peer_key, answer)
+
+    def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
+        """Prefill's agent, loaded once per agent (a restarted prefill brings a new one, which replaces it)."""
+        peer = self.agent.peer(answer.pool.agent)
+        if peer is not None:
+            return peer
+        if not answer.metadata:
+            raise self._fail("handshake_rejected", f"prefill agent {answer.pool.agent} sent no metadata")
+        if (old := self._known.get(peer_key)) is not None:
+            self.agent.drop_peer(old)
+        try:
+            peer = self.agent.add_peer(answer.metadata, answer.pool)
+        except Exception as e:  # nixl raises its own error types for metadata it cannot load
+            raise self._fail("peer_lost", f"cannot load prefill agent {answer.pool.agent}: {e!r}") from e
+        self._known[peer_key] = peer.name
+        return peer

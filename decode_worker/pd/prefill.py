@@ -1,28 +1,25 @@
-"""Prefill side of PD: keep each finished prompt's KV under a lease and push it to the decode peer that asks.
+"""Prefill side of PD: keep each finished prompt's KV under a lease and hand it to the decode peer that asks.
 
-A request that reaches its first token is held by room (its pages stay locked) until the decode side's
-handshake arrives or the lease expires; either way its pages then go into prefill's own radix cache.
+A request that reaches its first token is held by room (its pages stay locked) until the decode side's handshake
+comes. The answer names the prompt's pages in our registered pool; decode reads them itself, and its release
+notification (sent with the read, or on its own when decode gives up) frees them. A hand-off whose release never
+comes is freed when its hold expires: decode's read deadline ends strictly before (``pd/decode.py``), so no read
+runs from a page we reuse. Either way the pages then go into prefill's own radix cache.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-from decode_worker_kernels.page_copy import gather_pages
-
 from decode_worker.core.request import RequestError
-from decode_worker.core.tasks import TaskSet
 from decode_worker.metrics import Metrics
-from decode_worker.pd.handshake import PD_TOKEN_HEADER, HandshakeBody, prompt_digest
-from decode_worker.transfer.staging import StagingPool, run_page_copy
-from decode_worker.transfer.ucx_sender import KVSender
-from decode_worker.transfer.wire import Trailer, TransferError
+from decode_worker.pd.handshake import PD_TOKEN_HEADER, Answer, HandshakeBody, parse_release, prompt_digest
+from decode_worker.transfer.agent import KVAgent
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
@@ -51,30 +48,32 @@ def check_pd_token(expected: str, given: str | None) -> None:
         raise RequestError(f"{PD_TOKEN_HEADER} does not match this prefill worker's --pd-token", 401, "unauthorized")
 
 
+RELEASE_POLL_S = 0.001
+"""How often notifications are read while a hand-off awaits its release (reading them also drives our progress)."""
+
+
 @dataclass
 class _Lease:
     req: Req
     expires: float
+    room: int = 0
 
 
 @dataclass
 class KVHandoff:
     """The prefill role's end of a prompt (``scheduler.roles.PromptDone``): a PD request's KV is held under a
-    lease for its decode peer and pushed when the peer's handshake comes."""
+    lease for its decode peer, handed to it by the handshake's answer and freed by its release notification."""
 
     config: ServerConfig
     pool: KVPool
-    sender: KVSender
+    agent: KVAgent
     metrics: Metrics
     scheduler: Scheduler | None = None
-    staging: StagingPool | None = None  # on the pool's device, where pages are gathered
-    leases: dict[int, _Lease] = field(default_factory=dict)
+    leases: dict[int, _Lease] = field(default_factory=dict)  # room -> held KV no handshake asked for yet
+    handed: dict[int, _Lease] = field(default_factory=dict)  # lease id -> KV answered, until decode releases it
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
-    _tasks: TaskSet = field(default_factory=TaskSet)
-
-    def __post_init__(self) -> None:
-        if self.staging is None:
-            self.staging = StagingPool(self.pool.buffer.device)
+    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _watcher: asyncio.Task | None = None
 
     def hold(self, req: Req) -> bool:
         """After the first token: hold a PD request's KV for its decode peer."""
@@ -83,54 +82,56 @@ class KVHandoff:
         room = req.inp.bootstrap.room
         if (old := self.leases.get(room)) is not None:  # a router reusing a room: the newer request wins
             self.scheduler.release_held(old.req)
-        self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s)
+        self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s, room)
         self._arrived.setdefault(room, asyncio.Event()).set()
         return True
 
     def expire(self) -> None:
-        """Free held KV whose decode peer never came."""
+        """Free held KV whose decode peer never came, and hand-offs whose release never came."""
         now = time.monotonic()
         for room, lease in list(self.leases.items()):
             if lease.expires < now:
                 log.warning("KV lease of room %d expired without a handshake", room)
                 self._drop(room)
                 self.scheduler.release_held(lease.req)
+        for lease_id, lease in list(self.handed.items()):
+            if lease.expires < now:
+                log.warning("KV of room %d handed off but never released by its decode peer", lease.room)
+                self.metrics.transfer_failures.labels("timeout").inc()
+                self._release(lease.room, lease_id)
 
     def _drop(self, room: int) -> _Lease | None:
         self._arrived.pop(room, None)
         return self.leases.pop(room, None)
 
     async def handshake(self, body: HandshakeBody) -> dict:
-        """The caller has checked the PD token (``check_pd_token``)."""
-        layout = self.pool.layout
-        diff = layout.differences(body.layout)
+        """The caller has checked the PD token (``check_pd_token``). Answers once we hold the room's KV."""
+        asked = time.monotonic()
+        diff = self.pool.layout.differences(body.layout)
         if diff:
             raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
         req = (await self._wait_for_room(body.room)).req
         try:
-            return await self._start_push(body, req)
-        except BaseException:  # a rejected, failed or cancelled hand-off frees the KV it held
+            return self._answer(body, req, asked).to_json()
+        except BaseException:  # a rejected hand-off frees the KV it held
             self.scheduler.release_held(req)
             raise
 
-    async def _start_push(self, body: HandshakeBody, req: Req) -> dict:
-        """Check the decode side's view of the prompt, then push its delta KV in the background."""
-        layout = self.pool.layout
+    def _answer(self, body: HandshakeBody, req: Req, asked: float) -> Answer:
+        """Check the decode side's view of the prompt, then hand the prompt's pages off under a new lease id."""
         prompt = req.seq.prompt_ids
         if body.prompt_len != len(prompt) or body.prompt_digest != prompt_digest(prompt):
             raise RequestError(f"prompt mismatch for room {body.room}: decode has {body.prompt_len} tokens "
                                f"(digest {body.prompt_digest}), prefill has {len(prompt)} (digest "
                                f"{prompt_digest(prompt)})", 409, "digest_mismatch")
-        ps = layout.page_size
-        if body.decode_prefix_len % ps or not 0 <= body.decode_prefix_len <= len(prompt):
-            raise RequestError(f"decode_prefix_len {body.decode_prefix_len} must be a multiple of the page size "
-                               f"{ps} within the {len(prompt)}-token prompt")
-        pages = torch.tensor(req.seq.pages[body.decode_prefix_len // ps : -(-len(prompt) // ps)], dtype=torch.int64)
-        trailer = Trailer(req.seq.output_ids[0], req.seq.output_logprobs[0])
-        address = base64.b64decode(body.ucx_address)
-        self._tasks.spawn(self._push(req, address, body.room, pages, trailer))
-        return {"status": "sending", "room": body.room, "tokens": len(prompt) - body.decode_prefix_len,
-                "nbytes": pages.numel() * layout.page_bytes}
+        lease_id, hold = next(self._lease_ids), self.config.kv_lease_s
+        self.handed[lease_id] = _Lease(req, time.monotonic() + hold, body.room)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_releases())
+        metadata = b"" if body.known_agent == self.agent.name else self.agent.metadata()
+        return Answer(body.room, lease_id, req.seq.pages[: -(-len(prompt) // self.pool.page_size)],
+                      req.seq.output_ids[0], req.seq.output_logprobs[0], self.agent.pool, metadata, hold,
+                      waited_s=time.monotonic() - asked)
 
     async def _wait_for_room(self, room: int) -> _Lease:
         """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""
@@ -146,19 +147,25 @@ class KVHandoff:
             raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
         return lease
 
-    async def _push(self, req: Req, address: bytes, room: int, pages: torch.Tensor, trailer: Trailer) -> None:
-        """Gather the pages into a staging buffer and send it; the held pages are released whatever happens."""
-        layout = self.pool.layout
-        try:
-            with self.staging.borrow(layout.pages_shape(pages.numel()), layout.dtype) as staging:
-                await run_page_copy(staging.nbytes, gather_pages, self.pool.buffer, pages, staging)
-                await self.sender.send(address, room, staging, trailer, self.config.transfer_timeout_s)
-        except TransferError as e:
-            self.metrics.transfer_failures.labels(e.reason).inc()
-            log.warning("push of room %d failed: %s", room, e)
-        finally:
-            self.scheduler.release_held(req)
+    async def _watch_releases(self) -> None:
+        """Free each hand-off as its release notification arrives; runs while any hand-off is out."""
+        while self.handed:
+            for message in self.agent.notifications():
+                if (release := parse_release(message)) is not None:
+                    self._release(*release)
+            await asyncio.sleep(RELEASE_POLL_S)
+
+    def _release(self, room: int, lease_id: int) -> None:
+        lease = self.handed.get(lease_id)
+        if lease is not None and lease.room == room:  # a late or foreign notification frees nothing
+            del self.handed[lease_id]
+            self.scheduler.release_held(lease.req)
 
     async def close(self) -> None:
-        await self._tasks.wait(timeout=self.config.transfer_timeout_s)
-        await self.sender.close()
+        """Give decode peers reading from us until the transfer deadline to finish, then unregister the pool."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while self.handed and time.monotonic() < deadline and self._watcher is not None and not self._watcher.done():
+            await asyncio.sleep(0.01)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self.agent.close()

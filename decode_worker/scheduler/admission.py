@@ -8,6 +8,7 @@ allocated (``try_alloc``). Retracted requests go first; new ones wait while any 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 from decode_worker.cache.pool import OutOfPages
@@ -20,6 +21,8 @@ from decode_worker.scheduler.req import KVTransfer, Req
 from decode_worker.scheduler.roles import PromptSource
 
 S = ReqState
+PEER_LOOKAHEAD = 32
+"""Queued requests whose role may start early work (decode: handshakes, each an HTTP call prefill holds)."""
 
 
 class Admission:
@@ -32,13 +35,17 @@ class Admission:
         self.wakeup = wakeup  # set when a transfer ends, so the loop applies it at once
         self.page_size = page_size
         self.max_running = max_running
-        self.lookahead = StorageLookahead(cache, page_size, self.match_key, wakeup) if has_storage(cache) else None
+        self.lookahead = (StorageLookahead(cache, page_size, self.match_key, wakeup, source.answered)
+                          if has_storage(cache) else None)
 
     def look_ahead(self) -> None:
-        """Start the L3 lookups of the first queued requests, so their pages arrive while they wait."""
+        """Start the L3 lookups of the first queued requests, so their pages arrive while they wait, and what their
+        role can start early (decode: the handshake with prefill)."""
         if self.lookahead is not None:
             for req in self.lookahead.start(self.queues.prealloc):
                 self.queues.move(req, S.MATCHING)
+        for req in itertools.islice(self.queues.prealloc, PEER_LOOKAHEAD):
+            self.source.prepare(req, self.wakeup.set)
 
     def admit(self) -> None:
         """Admit from the head of the queue while batch slots and L1 pages allow."""
@@ -54,6 +61,7 @@ class Admission:
 
     def forget(self, req: Req) -> None:
         """A request leaving before admission: stop its prefetch and free the L2 pages it took."""
+        self.source.forget(req)
         if self.lookahead is not None:
             self.lookahead.settle(req, insert=False)
 

@@ -1,9 +1,11 @@
 """L3 lookahead: the first queued requests look up what the store holds past their L1 + L2 hit and prefetch it
 into L2 while they wait.
 
-The head of the queue waits for its prefetch as the prefetch policy says (best_effort: not at all); then the
-pages that arrived join the tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back
-restores them with the rest of the prefix. A request with a fetch that has not settled is MATCHING.
+The head of the queue waits for its prefetch as the prefetch policy says; then the pages that arrived join the
+tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back restores them with the rest of the
+prefix. A request with a fetch that has not settled is MATCHING. ``best_effort`` waits only while waiting costs the
+request nothing: on a decode worker, until prefill has answered the handshake (the request cannot start before
+that anyway); on a colocated worker, not at all. ``timeout`` and ``wait_complete`` wait up to their deadline.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class StorageFetch:
     """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it; ``span``
     then names the pages of the prompt that it put into the tree."""
 
-    key: list[int]  # the tokens the request matches with
+    key: bytes  # the tokens the request matches with, packed (``Sequence.key``)
     from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
     keys: list[str]
     deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
@@ -44,13 +46,14 @@ class StorageFetch:
 class StorageLookahead:
     """The scheduler's L3 side. ``wakeup`` is set whenever a lookup or prefetch makes progress."""
 
-    def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], list[int]],
-                 wakeup: asyncio.Event):
+    def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], bytes],
+                 wakeup: asyncio.Event, answered: Callable[[Req], bool]):
         self.cache = cache
         self.storage = cache.storage
         self.page_size = page_size
         self.match_key = match_key  # the tokens whose cached KV a request can use
         self.wakeup = wakeup
+        self.answered = answered  # the role's word that waiting longer would delay the request (best_effort)
         self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
 
     def start(self, queue: Iterable[Req]) -> list[Req]:
@@ -80,8 +83,8 @@ class StorageLookahead:
         return True
 
     async def _fetch(self, fetch: StorageFetch) -> None:
-        """Ask the store how much of the prefix it holds, start moving that into L2, and wait as the policy says
-        (best_effort: not at all; the prefetch goes on until the request is admitted)."""
+        """Ask the store how much of the prefix it holds, move that into L2 and wait for it, up to the policy's
+        deadline (best_effort: none here; ``settled`` stops it once the request would wait for it)."""
         waits = self.storage.policy.name != "best_effort"
         try:
             async with asyncio.timeout_at(fetch.deadline if waits else None):
@@ -92,8 +95,7 @@ class StorageLookahead:
                 if fetch.host_pages is not None:
                     fetch.prefetch = self.storage.start_prefetch(fetch.keys[:found], self.cache.host_pool,
                                                                  fetch.host_pages)
-                    if waits:
-                        await fetch.prefetch.wait(None)
+                    await fetch.prefetch.wait(None)
         except TimeoutError:
             pass  # past the policy's deadline: the request proceeds with the pages that arrived
         finally:
@@ -108,7 +110,10 @@ class StorageLookahead:
         fetch = req.fetch
         if not fetch.settled:
             waiting = fetch.task is not None and not fetch.task.done()
-            if waiting and self.storage.policy.name != "best_effort" and asyncio.get_running_loop().time() < fetch.deadline:
+            if waiting and self.storage.policy.name == "best_effort":
+                if not self.answered(req):
+                    return False  # the request waits for its peer anyway: let the prefetch land meanwhile
+            elif waiting and asyncio.get_running_loop().time() < fetch.deadline:
                 return False  # the deadline is checked here too: the task's own timeout can be lost like a cancel
             self.settle(req, insert=True)
         return True

@@ -2,12 +2,12 @@
 a prompt computed here has its first token.
 
 Colocated: an extend computes every prompt and decoding goes on (``Colocated``, here). Decode role: prompts
-arrive from prefill (``pd.decode.DeltaKVFetcher``). Prefill role: a PD request's KV is held for its decode peer
+arrive from prefill (``pd.decode.DeltaKVFetcher``), whose handshake starts while the request is queued. Prefill role: a PD request's KV is held for its decode peer
 (``pd.prefill.KVHandoff``). The PD halves live in ``pd/``, which imports the scheduler, never the reverse.
 """
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -22,9 +22,23 @@ class PromptSource(Protocol):
         matches its whole prompt, is allocated pages for all of it, and goes from TRANSFERRING to RUNNING."""
         ...
 
+    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
+        """Start what can go ahead while ``req`` is queued (decode: the handshake, so prefill computes while the L3
+        prefetch runs); ``wakeup`` is called when it settles. Called every step for the first queued requests."""
+        ...
+
+    def answered(self, req: Req) -> bool:
+        """True once waiting any longer for ``req``'s L3 prefetch would delay it (decode: prefill answered or
+        failed). Until then the best_effort prefetch policy lets the prefetch land."""
+        ...
+
     def receive(self, req: Req, delta_pages: torch.Tensor) -> Coroutine[Any, Any, tuple[int, float]]:
         """Receive the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first
         token and its logprob, or raises RequestError. Called once per request that ``receives``."""
+        ...
+
+    def forget(self, req: Req) -> None:
+        """``req`` leaves before admission: stop what ``prepare`` started."""
         ...
 
 
@@ -41,6 +55,15 @@ class Colocated:
 
     def receives(self, req: Req) -> bool:
         return False
+
+    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
+        pass
+
+    def answered(self, req: Req) -> bool:
+        return True  # nothing to wait for: a best_effort prefetch stops at admission
+
+    def forget(self, req: Req) -> None:
+        pass
 
     def receive(self, req: Req, delta_pages: torch.Tensor) -> Coroutine[Any, Any, tuple[int, float]]:
         raise TypeError("a colocated scheduler receives no prompt KV (receives() is always False)")

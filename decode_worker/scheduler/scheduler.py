@@ -212,10 +212,10 @@ class Scheduler:
             if req.aborted is not None:
                 continue
             self._emit(req, token, logprob, top)
-            if req.seq.finished:
-                self._finish(req)
-            elif extend and self.done.hold(req):
+            if extend and self.done.hold(req):  # even when finished: its decode peer still needs the KV
                 self._hold(req)
+            elif req.seq.finished:
+                self._finish(req)
             elif extend:
                 self.queues.move(req, S.RUNNING)
 

@@ -2,10 +2,6 @@
 send (random valid bodies seldom make a prompt the model accepts)."""
 from __future__ import annotations
 
-import base64
-
-from decode_worker.transfer.wire import PeerAddress
-
 _PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 30001, "bootstrap_room": 8123456789}
 _GEN = {"max_new_tokens": 8, "temperature": 0}
 GENERATE_EXAMPLES = {
@@ -29,10 +25,9 @@ CHAT_EXAMPLES = {
                "stream": True},
     "pd": {"model": "default", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8, **_PD},
 }
-_PUSH_ADDRESS = PeerAddress("127.0.0.1", 30100, b"ucx-worker-address", 7).pack()
 HANDSHAKE_EXAMPLES = {  # what a decode worker sends; the layout is that of the decode side's KV pool
-    "handshake": {"room": 8123456789, "decode_prefix_len": 16, "prompt_len": 40, "prompt_digest": "0" * 32,
-                  "ucx_address": base64.b64encode(_PUSH_ADDRESS).decode(),
+    "handshake": {"room": 8123456789, "prompt_len": 40, "prompt_digest": "0" * 32,
+                  "nixl_agent": "decode-0123456789ab", "known_agent": "",
                   "layout": {"model_id": "SmolLM2-135M-Instruct.Q4_1@0123456789ab", "num_layers": 30,
                              "num_kv_heads": 3, "head_dim": 64, "page_size": 16, "dtype": "float32"}},
 }

@@ -1,8 +1,6 @@
 """Request bodies of the SGLang- and OpenAI-compatible routes and of the PD handshake. Unknown fields are ignored."""
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 import re
 from typing import Annotated, Any
@@ -10,7 +8,6 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from decode_worker.pd.handshake import PD_TOKEN_HEADER
-from decode_worker.transfer.wire import PeerAddress
 
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
@@ -152,25 +149,17 @@ class AbortRequest(_Lenient):
     abort_all: bool = False
 
 
-def _check_push_address(address: str) -> str:
-    """Refuse at the door what the sender could never connect to."""
-    try:
-        PeerAddress.unpack(base64.b64decode(address, validate=True))
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"not a base64 push address of a decode worker: {e}") from None
-    return address
-
-
 class HandshakeRequest(_Lenient):
-    """Decode -> prefill: what the decode side holds and where to push the rest. The PD token travels in the
-    X-PD-Token header, never in the body (bodies end up in logs and proxies' traces)."""
+    """Decode -> prefill: which room, the prompt and KV layout decode holds, its NIXL agent and the prefill agent it
+    already knows (``pd/handshake.py``). The PD token travels in the X-PD-Token header, never in the body (bodies
+    end up in logs and proxies' traces)."""
 
     room: Room
-    decode_prefix_len: int = Field(ge=0)
     prompt_len: int = Field(ge=1)
     prompt_digest: str
-    ucx_address: Annotated[str, AfterValidator(_check_push_address)]  # base64 PeerAddress of the decode side
     layout: dict[str, Any]
+    nixl_agent: str = Field(min_length=1, max_length=256)
+    known_agent: str = Field(default="", max_length=256)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,7 +1,7 @@
 """Faults injected over real processes on loopback while shared-prefix PD traffic flows.
 
-The cluster: a prefill worker, a victim prefill that dies in the middle of a KV push (or is SIGKILLed from
-outside), two stub prefills that accept the handshake and never send or never answer it, a redis-server L3
+The cluster: a prefill worker, a victim prefill that dies while its decode peer reads its KV (or is SIGKILLed from
+outside), two stub prefills that answer the handshake naming an unreachable agent or never answer it, a redis-server L3
 behind a proxy that can slow it past its deadline, and three decode workers (radix + hicache + Redis L3, one
 per write policy) whose L1 is small enough that load forces retraction. A seeded schedule runs one fault per
 episode while router-like traffic flows (greedy, streaming and not, some clients leaving mid-way). After every
@@ -186,9 +186,9 @@ def _max(xs: list[float]) -> float | None:
 # ---- the faults ----------------------------------------------------------------------------------------------------
 
 async def kill_prefill(c: Cluster, rng: random.Random, scale: float) -> Episode:
-    """Half the traffic bootstraps from the victim prefill, which dies: by itself in the middle of a KV push
-    (OFFER sent, payload not), or, a victim without ``die_at`` (or one too slow to get there), SIGKILLed from
-    outside at a random moment."""
+    """Half the traffic bootstraps from the victim prefill, which dies: by itself right after a handshake answer
+    went out (its decode peer is reading the pages it named), or, a victim without ``die_at`` (or one too slow to
+    get there), SIGKILLed from outside at a random moment."""
     victim = c.victim
     at = rng.uniform(2, 5) * scale
     killed: dict[str, float] = {}
@@ -210,11 +210,12 @@ async def kill_prefill(c: Cluster, rng: random.Random, scale: float) -> Episode:
     if mid is not None:
         room, wall = mid
         death = wall - time.time() + time.monotonic()
-        ep.figures["death"] = "mid-transfer (OFFER sent, payload not)"
+        ep.figures["death"] = "mid-transfer (answer sent, pages being read)"
         hit = [o for o in outcomes if o.room == room]
-        if len(hit) != 1 or hit[0].status != 502 or "peer_lost" not in hit[0].message:
-            ep.problems.append(f"the request whose push died mid-way: {hit}")
+        if len(hit) != 1 or not (hit[0].status == 200 or hit[0].status == 502 and "peer_lost" in hit[0].message):
+            ep.problems.append(f"the request whose read the death cut: {hit}")  # 200: its read won the race
         else:
+            ep.figures["mid_transfer_outcome"] = hit[0].status
             ep.figures["mid_transfer_error_s"] = round(hit[0].ended - death, 3)
     elif "at" in killed:
         death = killed["at"]
@@ -230,7 +231,8 @@ async def kill_prefill(c: Cluster, rng: random.Random, scale: float) -> Episode:
 
 
 async def stalled_prefill(c: Cluster, rng: random.Random, scale: float) -> Episode:
-    """Some traffic bootstraps from stubs: one accepts the handshake and never sends the KV, one never answers."""
+    """Some traffic bootstraps from stubs: one answers the handshake naming an agent no one can reach (a 502 once
+    the request is admitted), one never answers (a 504 at the handshake deadline)."""
     accept, hang = c.stubs["stub-accept"], c.stubs["stub-hang"]
     mix = c.mix({Peer.of(c.prefill): 3.0, Peer.of(accept): 1.0, Peer.of(hang): 1.0})
     outcomes = await flow(mix, c, rng.getrandbits(32), 6 * scale)
@@ -240,15 +242,15 @@ async def stalled_prefill(c: Cluster, rng: random.Random, scale: float) -> Episo
         if o.aborted or o.peer not in ep.faulty:
             continue
         stub = c.stubs[o.peer]
-        limit = TRANSFER_S if stub is accept else HANDSHAKE_S  # the push's deadline starts once it was accepted
+        limit, status = (TRANSFER_S, 502) if stub is accept else (HANDSHAKE_S, 504)  # accept: fails at admission
         if o.room in stub.handshakes:
             waited[o.peer].append(o.ended - stub.handshakes[o.room])
-        if o.status != 504 or o.room not in stub.handshakes or waited[o.peer][-1] > limit + SLACK_S:
+        if o.status != status or o.room not in stub.handshakes or waited[o.peer][-1] > limit + SLACK_S:
             ep.problems.append(f"{o.peer} room {o.room}: {o.status} {o.message!r} after {o.latency:.1f}s, expected "
-                               f"a 504 timeout {limit:.0f}s after the handshake")
+                               f"a {status} {limit:.0f}s after the handshake")
     if not accept.handshakes or not hang.handshakes:
         ep.problems.append("a stub never got a handshake: the fault did not happen")
-    ep.figures.update(accepted_then_silent_error_after_handshake_s=_max(waited[accept.name]),
+    ep.figures.update(unreachable_agent_error_after_handshake_s=_max(waited[accept.name]),
                       never_answered_error_after_handshake_s=_max(waited[hang.name]), transfer_timeout_s=TRANSFER_S,
                       handshake_timeout_s=HANDSHAKE_S)
     return ep

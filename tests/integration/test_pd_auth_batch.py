@@ -6,7 +6,6 @@ and a null port means the decode worker's --bootstrap-port.
 """
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import itertools
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decode_worker.transfer.wire import PeerAddress
 from tests.servers import Proc, start_worker, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model
 
@@ -103,9 +101,8 @@ def test_token_problems_fail_the_decode_request_at_once(workers, prefill, decode
 
 
 def handshake_body(room: int, layout: dict | None = None) -> dict:
-    address = PeerAddress("127.0.0.1", 1, b"worker", 1).pack()
-    return {"room": room, "decode_prefix_len": 0, "prompt_len": 4, "prompt_digest": "0" * 32,
-            "ucx_address": base64.b64encode(address).decode(), "layout": layout or {}}
+    return {"room": room, "prompt_len": 4, "prompt_digest": "0" * 32, "nixl_agent": "decode-test",
+            "layout": layout or {}}
 
 
 @pytest.mark.parametrize("headers,fragment", [({}, "missing X-PD-Token header"),

@@ -6,7 +6,7 @@ import signal
 
 import httpx
 
-from tests.servers import start_worker
+from tests.servers import pd_generate, start_worker
 
 
 def test_sigterm_drains_a_running_stream(tmp_path, smollm2_path):
@@ -29,3 +29,21 @@ def test_sigterm_drains_a_running_stream(tmp_path, smollm2_path):
         assert "Application shutdown complete" in proc.tail(20)
     finally:
         proc.stop()
+
+
+def test_sigterm_stops_a_pd_pair_cleanly(tmp_path, smollm2_path):
+    """Both halves of PD stop on SIGTERM after a hand-off: prefill got the release (nothing left to wait for) and
+    each closes its NIXL agent without hanging."""
+    prefill = start_worker("drain-prefill", tmp_path, "prefill")
+    decode = start_worker("drain-decode", tmp_path, "decode")
+    try:
+        body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        assert pd_generate(prefill, decode, body, room=4242).status_code == 200
+        for proc in (decode, prefill):
+            proc.popen.send_signal(signal.SIGTERM)
+        for proc in (decode, prefill):
+            assert proc.popen.wait(timeout=20) in (0, -signal.SIGTERM)
+            assert "Application shutdown complete" in proc.tail(20), proc.tail(20)
+    finally:
+        decode.stop()
+        prefill.stop()

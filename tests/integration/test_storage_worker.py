@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import itertools
+import statistics
 import threading
 import time
 
@@ -19,7 +21,7 @@ from decode_worker.cache.radix_tree import chain_hashes, token_key
 from decode_worker.cache.storage import FileStore, encode_record
 from decode_worker.cache.storage.base import HEADER_BYTES
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, start_worker, wait_pages_free
+from tests.servers import Proc, free_port, pd_generate, start_worker, wait_pages_free
 
 PS = 16
 HICACHE = ["--page-size", str(PS), "--max-total-tokens", "1024", "--disaggregation-decode-enable-radix-cache",
@@ -143,6 +145,78 @@ def test_page_of_another_layout_is_a_miss(restarted):
     assert b.metric("decode_worker_storage_failures_total", op="prefetch", reason="foreign") >= 1
     assert path.exists()  # a foreign page is someone else's: left alone
     assert_every_page_back(b)
+
+
+# -- decode role: a restarted decode pod over a warm L3, default prefetch policy ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_restarted(logs, tmp_path_factory, smollm2_path):
+    """A prefill worker and decode A (file L3, the default best_effort prefetch) serve two prompts whole: their
+    outputs are what a decode without any cache gives. Then the whole pair restarts (a rollout): decode B on A's
+    folder with the same flags, a fresh prefill, and beside them decode C, which has no L3."""
+    folder = tmp_path_factory.mktemp("pd-l3")
+    storage = ["--hicache-storage-backend", "file", "--hicache-storage-url", str(folder)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        started = [pool.submit(start_worker, "pd-prefill", logs, "prefill", "--page-size", str(PS)),
+                   pool.submit(start_worker, "pd-decode-a", logs, "decode", *HICACHE, *storage)]
+        prefill, a = (f.result() for f in started)
+        reference = {}
+        try:
+            for base in (11, 12):
+                reference[base], cached = pd_tokens(prefill, a, prompt(base))
+                assert sum(cached.values()) == 0
+        finally:
+            a.stop()  # graceful: queued L3 backups are stored before it exits
+            prefill.stop()
+        started = [pool.submit(start_worker, "pd-prefill-2", logs, "prefill", "--page-size", str(PS)),
+                   pool.submit(start_worker, "pd-decode-b", logs, "decode", *HICACHE, *storage),
+                   pool.submit(start_worker, "pd-decode-c", logs, "decode", *HICACHE)]
+        procs = [f.result() for f in started]
+    yield *procs, reference
+    for proc in procs:
+        proc.stop()
+
+
+def pd_tokens(prefill: Proc, decode: Proc, ids: list[int], max_new_tokens: int = GREEDY["max_new_tokens"]):
+    body = {"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}}
+    r = pd_generate(prefill, decode, body, next(PD_ROOMS))
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens_details"]
+
+
+PD_ROOMS = itertools.count(7000)
+
+
+def test_restarted_decode_gets_storage_hits_by_default(pd_restarted):
+    """The handshake goes out while the request is queued, and prefill computes the prompt meanwhile: best_effort
+    lets the prefetch land in that time, so the request reads only the delta from prefill."""
+    prefill, b, _, reference = pd_restarted
+    received = b.metric("decode_worker_kv_received_tokens_total")
+    out, cached = pd_tokens(prefill, b, prompt(11))
+    assert cached == {"device": 0, "host": 0, "storage": PROMPT_PAGES * PS}
+    assert out == reference[11]
+    assert b.metric("decode_worker_kv_received_tokens_total") - received == 200 - PROMPT_PAGES * PS  # the delta
+    out, cached = pd_tokens(prefill, b, prompt(12))
+    assert cached["storage"] == PROMPT_PAGES * PS and out == reference[12]
+    wait_pages_free(b)
+
+
+def test_cold_prompt_ttft_with_l3_is_that_without(pd_restarted):
+    """A prompt the store does not hold waits for nothing: its first token comes as fast as on a decode without L3
+    (alternating, so both see the same machine; a generous margin for this shared machine's noise)."""
+    prefill, b, c, _ = pd_restarted
+    hits = b.metric("decode_worker_cached_tokens_total", tier="storage")
+    times: dict[str, list[float]] = {"l3": [], "off": []}
+    bases = itertools.count(100)  # a new prompt each time: prefill computes each one whole too
+    for i in range(6):
+        for name, decode in ((("l3", b), ("off", c)) if i % 2 else (("off", c), ("l3", b))):
+            t = time.monotonic()
+            pd_tokens(prefill, decode, prompt(next(bases)), max_new_tokens=1)
+            times[name].append(time.monotonic() - t)
+    l3, off = (statistics.median(times[k]) for k in ("l3", "off"))
+    assert l3 <= off * 1.3 + 0.05, times
+    assert b.metric("decode_worker_cached_tokens_total", tier="storage") == hits  # nothing of them was in L3
 
 
 # -- redis backend: two workers sharing one server, a slow link, the server stopped ----------------------------------

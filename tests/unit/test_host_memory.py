@@ -13,7 +13,6 @@ from decode_worker.cache.pool import KVLayout
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
 from decode_worker.core import host_memory
 from decode_worker.core.host_memory import HUGE_PAGE, host_buffer
-from decode_worker.transfer.staging import StagingPool
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -52,11 +51,6 @@ def test_touched_memory_is_backed_by_huge_pages():
     buf = host_buffer(16 << 20)
     buf.fill_(1)
     assert huge_page_bytes(buf.data_ptr()) >= 8 << 20  # ordinary torch memory has none here (THP: madvise)
-
-
-def test_staging_blocks_use_it():
-    with StagingPool().borrow((3 << 20,), torch.uint8) as staged:
-        assert staged.data_ptr() % HUGE_PAGE == 0
 
 
 LAYOUT = KVLayout("test", num_layers=3, num_kv_heads=2, head_dim=24, page_size=16, dtype=torch.bfloat16)

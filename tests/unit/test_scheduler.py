@@ -19,6 +19,7 @@ from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.batch import Batch, BatchKind
 from decode_worker.scheduler.req import Req
+from decode_worker.scheduler.roles import Colocated
 from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
 
@@ -27,7 +28,7 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 KVSource = Callable[[Req, torch.Tensor], Awaitable[tuple[int, float]]]
 
 
-class PeerKV:
+class PeerKV(Colocated):
     """A decode role's prompt source around a test's ``kv_source(req, pages)``: fresh prompts arrive from it."""
 
     def __init__(self, kv_source: KVSource):

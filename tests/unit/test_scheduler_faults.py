@@ -22,7 +22,7 @@ from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.scheduler import Scheduler
-from decode_worker.transfer.staging import run_page_copy
+from decode_worker.transfer.agent import run_to_the_end
 from tests.unit.test_scheduler import GREEDY, PeerKV, run_all, settle
 
 
@@ -177,7 +177,8 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
         landed.set()
 
     async def kv_source(req, pages: torch.Tensor):
-        await run_page_copy(1 << 30, scatter, scheduler.cache, pages.tolist())
+        copy = asyncio.get_running_loop().run_in_executor(None, scatter, scheduler.cache, pages.tolist())
+        await run_to_the_end(copy)
         return 0, 0.0
 
     scheduler = make(tiny_models["llama"], 160, host_ratio=0, kv_source=kv_source)

@@ -1,0 +1,201 @@
+"""The PD data plane: one NIXL agent per worker, its KV pool registered once, pages read straight from a peer's pool.
+
+Decode READs the delta pages from prefill's registered pool into its own pool pages: no staging buffer and no
+gather/scatter copy on either side, and only decode's own agent ever writes decode's pages, so a prefill that dies
+mid-transfer cannot leave a late write behind. A peer's metadata is loaded and its page descriptors prepared once
+(``add_peer``); each transfer then names pages by index (``transfer/descriptors.py``). The peer learns that its
+pages were read from a notification sent after the read (``notify``), not one attached to it: an attached one
+makes the read complete only after a round trip through the peer's progress (~2 ms here for a 1 MB read that
+takes 0.25 ms alone), and the request would wait for it.
+
+Progress is driven by our calls (no NIXL progress thread: it would spin on one of two cores). Over shared memory
+UCX copies with CMA inside the post call itself, so a read of ``INLINE_BYTES`` or more is posted from a copy thread
+and the event loop keeps serving. Measured with ``bench/bench_transfer.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's own handler prints INFO lines on stdout
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
+
+from .descriptors import PoolDescriptor  # noqa: E402
+
+logger = logging.getLogger(__name__)
+_nixl_logger = logging.getLogger("nixl")  # through our handlers (stderr), never stdout
+_nixl_logger.handlers.clear()
+_nixl_logger.propagate = True
+
+REASONS = ("timeout", "peer_lost", "size_mismatch", "unknown_room", "cancelled")
+"""Why a transfer failed; also the ``reason`` label of ``transfer_failures_total``."""
+INLINE_BYTES = 2 << 20
+"""Reads below this are posted on the event loop: the hop to the copy thread costs more than the copy."""
+POLL_S = 0.0005
+"""Polling period of a read the post did not finish (a transport that completes asynchronously)."""
+RETIRE_S = 5.0
+"""How long a read that could not be cancelled may take to end before its pages are given up on (logged)."""
+
+
+class TransferError(Exception):
+    """A failed transfer of one room; other rooms are not affected."""
+
+    def __init__(self, room: int, reason: str, detail: str = ""):
+        if reason not in REASONS:
+            raise ValueError(f"unknown transfer failure reason {reason!r}")
+        self.room = room
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"KV transfer of room {room} failed: {reason}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass(eq=False)
+class Peer:
+    """A remote agent whose metadata is loaded and whose pool's descriptors are prepared here."""
+
+    name: str
+    pool: PoolDescriptor
+    dlist: object  # nixl_prepped_dlist_handle
+
+
+class KVAgent:
+    """This worker's NIXL agent over its KV pool ``buffer`` (registered as host or device memory)."""
+
+    def __init__(self, buffer: torch.Tensor, role: str):
+        self.name = f"{role}-{uuid.uuid4().hex[:12]}"
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)  # the copy thread posts too
+        self.agent = nixl_agent(self.name, config)
+        self.pool = PoolDescriptor.of(self.name, buffer)
+        self._buffer = buffer  # registered memory must outlive its registration
+        self._registered = self.agent.register_memory([buffer])
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.pool.table(), self.pool.mem)
+        self._peers: dict[str, Peer] = {}
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
+
+    def metadata(self) -> bytes:
+        """What a peer loads once to read our pool and notify us."""
+        return self.agent.get_agent_metadata()
+
+    def peer(self, name: str) -> Peer | None:
+        return self._peers.get(name)
+
+    def add_peer(self, metadata: bytes, pool: PoolDescriptor) -> Peer:
+        """Load a peer's metadata and prepare its pool's descriptors; kept until ``drop_peer``."""
+        name = self.agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        if name != pool.agent:
+            self.agent.remove_remote_agent(name)
+            raise ValueError(f"peer metadata names agent {name!r}, its pool names {pool.agent!r}")
+        dlist = self.agent.prep_xfer_dlist(name, pool.table(), pool.mem)
+        self._peers[name] = peer = Peer(name, pool, dlist)
+        return peer
+
+    def drop_peer(self, name: str) -> None:
+        """Forget a peer that was replaced (a restarted prefill has a new agent)."""
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            peer.dlist.release()
+            self.agent.remove_remote_agent(name)
+
+    async def read(self, room: int, peer: Peer, into: list[int], source: list[int], deadline: float) -> None:
+        """Copy ``peer``'s pool pages ``source`` into our pages ``into``.
+
+        Raises ``TransferError`` (timeout at the loop time ``deadline``, peer_lost when the peer's pages cannot be
+        read). Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
+        """
+        if len(into) != len(source) or peer.pool.page_bytes != self.pool.page_bytes:
+            raise TransferError(room, "size_mismatch", f"{len(source)} pages of {peer.pool.page_bytes} bytes into "
+                                                       f"{len(into)} of {self.pool.page_bytes}")
+        loop = asyncio.get_running_loop()
+        ours, theirs = self.pool.indices(into), peer.pool.indices(source)  # ValueError for a page outside a pool
+        try:
+            handle = self.agent.make_prepped_xfer("READ", self._local, ours, peer.dlist, theirs)
+        except Exception as e:  # nixl raises its own error types for an unknown or lost peer
+            raise TransferError(room, "peer_lost", f"cannot prepare the read: {e!r}") from e
+        state = "PROC"
+        try:
+            if len(into) * self.pool.page_bytes < INLINE_BYTES:
+                state = self._post(handle)
+            else:
+                state = await run_to_the_end(loop.run_in_executor(self._copier, self._post, handle))
+            while state == "PROC":
+                if loop.time() >= deadline:
+                    raise TransferError(room, "timeout", "reading the peer's pages")
+                await asyncio.sleep(POLL_S)
+                state = self._state(handle)
+            if state != "DONE":
+                raise TransferError(room, "peer_lost", "the peer's pages could not be read")
+        finally:
+            await self._retire(room, handle, state)
+
+    def notify(self, peer: str, message: bytes) -> bool:
+        """A notification outside a transfer; False when the peer is gone."""
+        try:
+            self.agent.send_notif(peer, message)
+            return True
+        except Exception as e:  # nixl raises its own error types for a lost peer
+            logger.debug("notification to %s dropped: %r", peer, e)
+            return False
+
+    def notifications(self) -> list[bytes]:
+        """Notifications that arrived since the last call, from any peer."""
+        return [m for messages in self.agent.get_new_notifs().values() for m in messages]
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        for name in list(self._peers):
+            self.drop_peer(name)
+        self._local.release()
+        self.agent.deregister_memory(self._registered)
+
+    def _post(self, handle) -> str:
+        try:
+            return self.agent.transfer(handle)
+        except Exception as e:  # a peer that died is an error status or an exception, depending on the transport
+            logger.debug("posting a KV read failed: %r", e)
+            return "ERR"
+
+    def _state(self, handle) -> str:
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:
+            logger.debug("KV read failed: %r", e)
+            return "ERR"
+
+    async def _retire(self, room: int, handle, state: str) -> None:
+        """Release the transfer. One still in progress is cancelled; one that cannot be is waited for (up to
+        ``RETIRE_S``), since its pages may not be reused while it can still write into them."""
+        for _ in range(int(RETIRE_S / POLL_S)):
+            try:
+                handle.release()
+                return
+            except Exception:  # still active and not cancellable: wait for it to end
+                await asyncio.sleep(POLL_S)
+                state = self._state(handle)
+                if state != "PROC":
+                    continue
+        logger.error("KV read of room %d could not be stopped (%s); its pages are given back regardless", room, state)
+
+
+async def run_to_the_end(work: asyncio.Future):
+    """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it)."""
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return work.result()
+
