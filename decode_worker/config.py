@@ -55,8 +55,10 @@ class ServerConfig(BaseSettings):
     max_running_requests: int = _opt("largest decode batch", 64)
     max_prefill_tokens: int = _opt("most new prompt tokens computed in one extend step", 4096)
     cuda_graph_max_bs: int = _opt("largest batch captured as a CUDA graph (0 turns graphs off)", 64)
-    ucx_host: str = _opt("address prefill workers use to reach this decode worker's UCX listener", "127.0.0.1")
-    ucx_port: int = _opt("UCX listener port for control and peer liveness (0 picks a free port)", 0)
+    ucx_host: str = _opt("unused since KV moves over NIXL (decode reads from prefill at the address in its agent's "
+                         "metadata); accepted so existing command lines start, with a warning when set", "127.0.0.1")
+    ucx_port: int = _opt("unused since KV moves over NIXL (no listener of ours); accepted so existing command lines "
+                         "start, with a warning when set", 0)
     bootstrap_port: int | None = _opt("prefill handshake port used when a request's bootstrap_port is null")
     pd_token: str = _opt("shared secret of a prefill/decode pair, sent in the handshake's X-PD-Token header", "")
     api_key: str = _opt("require 'Authorization: Bearer <key>' on every route but /health, /health_generate and "

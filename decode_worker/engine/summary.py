@@ -20,8 +20,6 @@ def startup_summary(cfg: ServerConfig, runner: ModelRunner, model_path: str, hos
              f"device {runner.device}", f"L1 {l1_pages * ps} tokens ({l1_pages * page_bytes / 1e9:.2f} GB)",
              f"L2 {host_pages * ps} tokens ({host_pages * page_bytes / 1e9:.2f} GB)" if host_pages else "L2 off",
              _storage(cfg), f"http {cfg.host}:{cfg.port}"]
-    if cfg.role == "decode":
-        parts.append(f"ucx {cfg.ucx_host}:{cfg.ucx_port or 'any'}")
     if cfg.bootstrap_port is not None:
         parts.append(f"bootstrap port {cfg.bootstrap_port}")
     return "starting: " + ", ".join(parts)

@@ -62,6 +62,15 @@ def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache) -> ZmqEventPubli
     return publisher
 
 
+def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
+    """A line per UCX flag set to something: they addressed the listener of the staged data plane, which NIXL
+    replaced. They stay accepted so existing deployments start, and are named so nobody thinks them honoured."""
+    given = [(flag, value) for flag, value, default in (("--ucx-host", cfg.ucx_host, "127.0.0.1"),
+                                                        ("--ucx-port", cfg.ucx_port, 0)) if value != default]
+    return [f"{flag} {value} is not used: decode reads KV from prefill over NIXL, at the address in the prefill "
+            "agent's metadata, and listens for none" for flag, value in given]
+
+
 def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
     """The role's half of PD over a NIXL agent that registers ``pool`` once: the decode role's fetcher, the
     prefill role's hand-off, or neither (colocated: NIXL is not even imported)."""
@@ -69,8 +78,8 @@ def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVF
         return None, None
     from decode_worker.transfer.agent import KVAgent
 
-    if cfg.ucx_port:
-        log.warning("--ucx-port %d is not used: the NIXL data plane needs no listener of ours", cfg.ucx_port)
+    for warning in unused_ucx_flags(cfg):
+        log.warning(warning)
     agent = KVAgent(pool.buffer, cfg.role)
     if cfg.role == "decode":
         from decode_worker.pd.decode import DeltaKVFetcher

@@ -171,3 +171,12 @@ def test_hicache_flag_builds_the_host_tier_on_the_prefill_role(tmp_path):
     finally:
         for engine in (with_l2, without):
             engine.cache.close()
+
+
+def test_unused_ucx_flags_are_named_not_silently_dropped():
+    from decode_worker.engine.wiring import unused_ucx_flags
+
+    assert unused_ucx_flags(parse(["--role", "decode"])) == []
+    lines = unused_ucx_flags(parse(["--role", "decode", "--ucx-host", "10.0.0.7", "--ucx-port", "30100"]))
+    assert [line.split()[:2] for line in lines] == [["--ucx-host", "10.0.0.7"], ["--ucx-port", "30100"]]
+    assert all("not used" in line for line in lines)

@@ -317,6 +317,10 @@ def test_cuda_image_majors_agree():
     assert base_major == torch_major == ucx_major, (base, torch_major, ucx_major)
 
 
+def svc_env(service: dict) -> dict:
+    return service.get("environment") or {}
+
+
 def compose_decode_services(services: dict[str, dict]) -> list[str]:
     return sorted(name for name in services if name.startswith("decode-"))
 
@@ -336,7 +340,7 @@ def test_compose_workers_validate_and_agree(monkeypatch):
         decode = configs[name]
         assert decode.disaggregation_decode_enable_radix_cache and decode.disaggregation_decode_enable_hicache
         assert (prefill.page_size, prefill.dtype) == (decode.page_size, decode.dtype), "KV layouts must match"
-        assert decode.ucx_host == name, "prefill pushes KV to ucx-host: it must be this decode service's own name"
+        assert "DECODE_WORKER_UCX_HOST" not in svc_env(services[name]), "unused since the NIXL data plane"
         assert prefill.pd_token == decode.pd_token != ""
         assert (decode.hicache_storage_backend, decode.hicache_storage_url) == ("redis", "redis://redis:6379")
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -375,7 +379,7 @@ def test_k8s_workers_validate_and_agree(monkeypatch):
     prefill, decode = configs["prefill"], configs["decode"]
     assert decode.disaggregation_decode_enable_radix_cache and decode.disaggregation_decode_enable_hicache
     assert (prefill.page_size, prefill.dtype) == (decode.page_size, decode.dtype), "KV layouts must match"
-    assert {p["name"]: p["containerPort"] for p in containers["decode"][1]["ports"]}["ucx"] == decode.ucx_port
+    assert [p["name"] for p in containers["decode"][1]["ports"]] == ["http"], "decode listens for no KV of its own"
     assert containers["prefill"][0]["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == str(prefill.port)
     assert decode.hicache_storage_backend == "redis"
     assert_points_at_the_redis_service(decode.hicache_storage_url)

@@ -1,9 +1,7 @@
-"""PD staging buffers are zeroed, huge-page aligned, and on huge pages where Linux has them; the L2 pool is
-page-locked in place, exactly the bytes its sizing counted."""
+"""The L2 pool is page-locked in place, exactly the bytes its sizing counted."""
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,46 +10,6 @@ import torch
 from decode_worker.cache.pool import KVLayout
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
 from decode_worker.core import host_memory
-from decode_worker.core.host_memory import HUGE_PAGE, host_buffer
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def huge_page_bytes(address: int) -> int:
-    """``AnonHugePages`` of the mapping holding ``address``, from /proc/self/smaps."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    raise LookupError(f"no mapping holds {address:#x}")
-
-
-def test_a_large_buffer_is_zeroed_aligned_and_outlives_its_mapping_object():
-    n = (5 << 20) + 123
-    view = host_buffer(n)[HUGE_PAGE:]
-    gc.collect()  # only the view keeps the mapping now
-    assert view.numel() == n - HUGE_PAGE and view.dtype == torch.uint8
-    assert view.data_ptr() % HUGE_PAGE == 0
-    assert int(view.count_nonzero()) == 0
-    view.fill_(7)
-    assert int(view.sum()) == 7 * view.numel()
-
-
-def test_a_small_buffer_is_ordinary_zeroed_memory():
-    small = host_buffer(1000)
-    assert small.numel() == 1000 and int(small.count_nonzero()) == 0
-
-
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="kernel without transparent huge pages")
-def test_touched_memory_is_backed_by_huge_pages():
-    buf = host_buffer(16 << 20)
-    buf.fill_(1)
-    assert huge_page_bytes(buf.data_ptr()) >= 8 << 20  # ordinary torch memory has none here (THP: madvise)
-
 
 LAYOUT = KVLayout("test", num_layers=3, num_kv_heads=2, head_dim=24, page_size=16, dtype=torch.bfloat16)
 
