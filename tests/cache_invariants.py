@@ -73,6 +73,7 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
     if prefetch_pages is not None:
         assert cache._host_out == prefetch_pages, f"L2: {cache._host_out} pages out != {prefetch_pages} prefetching"
     check_evictable_leaves(tree)
+    check_host_counts(cache)
     for alloc in (cache.device_alloc, cache.host_alloc):
         if alloc is not None:
             check_allocator(alloc)
@@ -95,9 +96,39 @@ def check_evictable_leaves(tree: RadixTree) -> None:
         assert all(key <= leaves.rank(n) for n, key in queued.items()), f"{tier}: a heap key above the node's"
 
 
+def host_evictable_pages_by_walk(cache: HierarchicalCache) -> int:
+    """What ``_host_evictable_pages`` must return, by a walk of every node: unlocked host-only nodes with no node
+    being written (``saving``) in their subtree."""
+    tree = cache.tree
+    blocked: set[TreeNode] = set()  # being written, or above a node that is
+    for node in tree.nodes():
+        up = node if node.saving is not None else tree.root
+        while up is not tree.root and up not in blocked:
+            blocked.add(up)
+            up = up.parent
+    return sum(tree.num_pages(n) for n in tree.nodes()
+               if n.on_host and not n.on_device and n.lock_ref == 0 and n not in blocked)
+
+
+def check_host_counts(cache: HierarchicalCache) -> None:
+    """The L2 page counts the tree keeps as it changes (``stats``, the L2 eviction pre-check) match a walk."""
+    tree = cache.tree
+    locked = host_only = 0
+    for node in tree.nodes():
+        if node.on_host:
+            if node.lock_ref:
+                locked += tree.num_pages(node)
+            elif not node.on_device:
+                host_only += tree.num_pages(node)
+    assert (tree.locked_host_pages, tree.host_only_pages) == (locked, host_only), (
+        f"L2 counters (locked, host-only) {(tree.locked_host_pages, tree.host_only_pages)} != {(locked, host_only)}")
+    fast, walk = cache._host_evictable_pages(), host_evictable_pages_by_walk(cache)
+    assert fast == walk, f"L2 evictable pages {fast} != {walk} by a walk"
+
+
 def check_allocator(alloc: PageAllocator) -> None:
     """The free stack holds each free page once, and exactly the pages whose state is free."""
-    free = alloc._stack[: alloc._top]
-    assert np.unique(free).size == free.size, "a page is on the free stack twice"
-    assert set(free.tolist()) == set(np.flatnonzero(alloc._state == FREE).tolist()), "free stack != free states"
+    free = np.sort(alloc._stack[: alloc._top])
+    assert not (free[1:] == free[:-1]).any(), "a page is on the free stack twice"
+    assert np.array_equal(free, np.flatnonzero(alloc._state == FREE)), "free stack != free states"
     assert not (free < alloc.reserved).any(), "a reserved page is on the free stack"

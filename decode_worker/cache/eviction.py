@@ -46,6 +46,7 @@ class EvictionMixin:
     counters: CacheCounters
     _pending: deque[PendingCopy]
     _draining: int
+    _demoting: PendingCopy | None  # the write_back victims of the eviction batch under way, not yet locked
 
     # -- victims ----------------------------------------------------------------------------------------------------
 
@@ -60,27 +61,21 @@ class EvictionMixin:
 
     def _host_evictable_pages(self) -> int:
         """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
-        subtree (a write_back victim is marked ``saving`` before its demotion locks it, within one batch)."""
-        blocked: set[TreeNode] = set()  # being written, or above a node that is
-        for node in self.tree.nodes():
-            up = node if node.saving is not None else self.tree.root
-            while up is not self.tree.root and up not in blocked:
-                blocked.add(up)
-                up = up.parent
-        return sum(self.tree.num_pages(n) for n in self.tree.nodes()
-                   if n.on_host and not n.on_device and n.lock_ref == 0 and n not in blocked)
-
-    def _host_page_states(self) -> tuple[int, int]:
-        """L2 pages in the tree that are locked, and that are evictable (unlocked, host-only), for ``stats``."""
-        locked = evictable = 0
-        for node in self.tree.nodes():
-            if node.on_host:
-                k = self.tree.num_pages(node)
-                if node.lock_ref:
-                    locked += k
-                elif not node.on_device:
-                    evictable += k
-        return locked, evictable
+        subtree (evicting a node's children first makes it a leaf). The tree counts the unlocked host-only pages
+        as they change (``host_only_pages``). A node being written is locked, and so are its ancestors, except
+        within a write_back eviction batch: its victims are marked ``saving`` (``_demoting``) before their
+        demotion locks them, so they and the unlocked host-only nodes above them are taken out here, walking up
+        from the victims only (the nodes above are on L1 or locked, or were demoted in the same batch)."""
+        pages = self.tree.host_only_pages
+        if self._demoting is not None:
+            seen: set[TreeNode] = set()
+            for node in self._demoting.nodes:
+                while (node.parent is not None and node not in seen and node.on_host and not node.on_device
+                       and node.lock_ref == 0):
+                    seen.add(node)
+                    pages -= self.tree.num_pages(node)
+                    node = node.parent
+        return pages
 
     # -- eviction batches -------------------------------------------------------------------------------------------
 
@@ -96,6 +91,7 @@ class EvictionMixin:
         demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
         cut_tails = self.eviction == EvictionPolicy.SLRU and not write_back  # a tail would leave the tree
         old_pages, freed, released = [], [], 0
+        self._demoting = demote
         try:
             while released < n_pages and (node := tree.device_leaves.pop()) is not None:
                 need, k = n_pages - released, tree.num_pages(node)
@@ -119,6 +115,7 @@ class EvictionMixin:
                 self.counters.evicted_device += k * self.page_size
                 released += k
         finally:
+            self._demoting = None
             self.device_alloc.free(cat_pages(freed))  # one batch: the allocator's checks run once
         if old_pages:
             self._start_demotion(demote, old_pages)

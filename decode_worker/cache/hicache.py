@@ -101,6 +101,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         self.counters = CacheCounters()
         self._pending: deque[PendingCopy] = deque()
         self._draining = 0  # L1 pages that pending copies free when done
+        self._demoting: PendingCopy | None = None  # write_back victims of the eviction batch under way
 
     # -- matching ---------------------------------------------------------------------------------------------
 
@@ -310,7 +311,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
                            evictable=tree.device_pages - locked, locked=locked)
         host = None
         if self.host_alloc is not None:
-            h_locked, h_evictable = self._host_page_states()
+            h_locked, h_evictable = tree.locked_host_pages, tree.host_only_pages
             h = self.host_alloc
             host = TierPages(total=h.total, free=h.num_free, used=h.num_used - h_locked - h_evictable,
                              evictable=h_evictable, locked=h_locked)

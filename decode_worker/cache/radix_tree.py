@@ -90,6 +90,8 @@ class RadixTree:
         self.clock = 0
         self.device_pages = 0  # L1 pages held by nodes
         self.locked_device_pages = 0  # ...of which in nodes with lock_ref > 0
+        self.locked_host_pages = 0  # L2 pages in nodes with lock_ref > 0
+        self.host_only_pages = 0  # L2 pages in unlocked nodes on L2 alone: what L2 could give up (``_count_host``)
         self.device_leaves = LeafHeap(rank)  # nodes L1 may give up now, ranked by the eviction policy (``rank``)
         self.host_leaves = LeafHeap(rank)  # ...and L2
         self.events: TreeEvents | None = None  # KV events for routers (--kv-events-config); None: off
@@ -241,7 +243,9 @@ class RadixTree:
 
     def set_device(self, node: TreeNode, pages: torch.Tensor) -> None:
         assert node.device_indices is None
+        self._count_host(node, -1)
         node.device_indices = pages
+        self._count_host(node, +1)
         self.device_pages += pages.numel()
         if node.lock_ref:
             self.locked_device_pages += pages.numel()
@@ -256,7 +260,9 @@ class RadixTree:
         if self.events is not None:
             self.events.removed(node, MEDIUM_GPU)
         pages = node.device_indices
+        self._count_host(node, -1)
         node.device_indices = None
+        self._count_host(node, +1)
         self.device_pages -= pages.numel()
         if node.lock_ref:
             self.locked_device_pages -= pages.numel()
@@ -269,6 +275,7 @@ class RadixTree:
     def set_host(self, node: TreeNode, pages: torch.Tensor) -> None:
         assert node.host_indices is None
         node.host_indices = pages
+        self._count_host(node, +1)
         self.version += 1
         self._file(self.host_leaves, node, self.host_evictable(node))
         self.host_leaves.members.discard(node.parent)  # it may have just been hung below it (``insert_host``)
@@ -278,6 +285,7 @@ class RadixTree:
     def clear_host(self, node: TreeNode) -> torch.Tensor:
         if self.events is not None:
             self.events.removed(node, MEDIUM_CPU)
+        self._count_host(node, -1)
         pages = node.host_indices
         node.host_indices = None
         self.version += 1
@@ -291,6 +299,9 @@ class RadixTree:
         while node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
+                if node.host_indices is not None:
+                    self._count_host(node, -1, lock_ref=0)
+                    self._count_host(node, +1)
                 if node.device_indices is not None:
                     self.locked_device_pages += node.device_indices.numel()
                 self.device_leaves.members.discard(node)
@@ -303,10 +314,26 @@ class RadixTree:
                 raise RuntimeError(f"unbalanced unlock of {node}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
+                if node.host_indices is not None:
+                    self._count_host(node, -1, lock_ref=1)
+                    self._count_host(node, +1)
                 if node.device_indices is not None:
                     self.locked_device_pages -= node.device_indices.numel()
                 self.refresh(node)
             node = node.parent
+
+    def _count_host(self, node: TreeNode, sign: int, lock_ref: int | None = None) -> None:
+        """Add (``sign`` +1) or take out (-1) ``node``'s L2 pages in the L2 counters, by its state now (or by
+        ``lock_ref`` when given: its lock just changed). Each change of a node's tiers or lock takes it out before
+        and adds it back after, so ``stats`` and the L2 eviction pre-check never walk the tree; a split keeps
+        the sums (head and tail share the state)."""
+        if node.host_indices is None:
+            return
+        k = sign * node.host_indices.numel()
+        if node.lock_ref if lock_ref is None else lock_ref:
+            self.locked_host_pages += k
+        elif node.device_indices is None:
+            self.host_only_pages += k
 
     # -- evictable leaves -------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
-from tests.cache_invariants import check_invariants, draining_pages
+from tests.cache_invariants import check_invariants, draining_pages, host_evictable_pages_by_walk
 from tests.unit.test_hicache import (
     LAYOUT, PROMPT, PS, assert_kv, assert_quiescent, finish, hc, node_of, only_on_host, run, start,  # noqa: F401
 )
@@ -159,3 +159,28 @@ def test_default_copy_engine_moves_pages_both_ways():
         cache.release(h)
     finally:
         cache.close()
+
+
+def test_host_evictable_count_leaves_out_what_a_write_back_batch_is_demoting(hc):
+    """Within one write_back batch, a demoted victim (not yet locked) and the host-only parent it blocks are
+    counted by the tree as unlocked host-only, but ``evict_host`` cannot reach them: the L2 pre-check leaves them
+    out, as a walk of every node does."""
+    cache, dev, host = hc(device_pages=9, host_pages=4, write_policy="write_back", eviction="lru")
+    run(cache, dev, A, backup=True)  # A on both tiers: 2 of the 4 L2 pages
+    cache.drain()
+    run(cache, dev, A + (50, 51))  # a 1-page child of A, only on L1
+    run(cache, dev, (7,) * 6)  # a 3-page leaf, only on L1, used last
+    seen = []
+    alloc_host = cache._alloc_host
+
+    def checked(n):
+        seen.append((cache._host_evictable_pages(), host_evictable_pages_by_walk(cache), cache.tree.host_only_pages))
+        return alloc_host(n)
+
+    cache._alloc_host = checked
+    # the child is demoted (1 L2 page), A leaves L1 (host-only now, above the child being written), then the
+    # 3-page leaf finds L2 2 pages short with nothing evict_host could free: it leaves the tree
+    assert cache.evict_device(6) == 6
+    assert seen == [(0, 0, 0), (0, 0, 3)]
+    assert cache.host_alloc.num_free == 1 and cache.match((7,) * 6).device_hit_tokens == 0
+    assert_quiescent(cache)

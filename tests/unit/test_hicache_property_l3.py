@@ -286,5 +286,6 @@ def test_every_l3_rule_and_branch_fires():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # every step checked against a full walk: ~140 s alone on 2 cores, past 600 s when shared
 def test_hierarchical_cache_l3_long():
     run_state_machine_as_test(L3Machine, settings=settings(FAST, max_examples=2000, stateful_step_count=100))

@@ -236,3 +236,28 @@ def test_cutting_a_leaf_s_l1_tail_in_place_keeps_its_head_filed():
     tree.unlock(leaf)
     tree.set_host(leaf, pages(7, 8))
     assert tree.cut_device_tail(leaf, 1) is None  # it has an L2 copy too
+
+
+def test_l2_page_counts_follow_tiers_locks_and_splits():
+    """The L2 counts ``stats`` and the L2 pre-check read without a walk: locked pages, and unlocked pages held on L2
+    alone (a node on both tiers is L1's to give up first)."""
+    tree = build([tuple(range(12))])  # one 3-page node, on L1
+    node = next(tree.nodes())
+
+    def counts() -> tuple[int, int]:
+        return tree.locked_host_pages, tree.host_only_pages
+
+    tree.set_host(node, pages(7, 8, 9))
+    assert counts() == (0, 0)  # on both tiers
+    tree.clear_device(node)
+    assert counts() == (0, 3)
+    head = tree.split(node, 1)
+    assert counts() == (0, 3)
+    tree.lock(node)  # the tail and the head above it
+    assert counts() == (3, 0)
+    tree.set_device(head, pages(1))
+    assert counts() == (3, 0)
+    tree.unlock(node)
+    assert counts() == (0, 2)  # the tail; the head is on L1 too
+    tree.clear_host(node)
+    assert counts() == (0, 0)
