@@ -202,9 +202,11 @@ def test_restarted_decode_gets_storage_hits_by_default(pd_restarted):
     wait_pages_free(b)
 
 
+@pytest.mark.slow
 def test_cold_prompt_ttft_with_l3_is_that_without(pd_restarted):
     """A prompt the store does not hold waits for nothing: its first token comes as fast as on a decode without L3
-    (alternating, so both see the same machine; a generous margin for this shared machine's noise)."""
+    (alternating, so both see the same machine; a generous margin for this shared machine's noise).
+    Timed, so it runs with ``-m slow`` only: the default suite asserts behaviour, benchmarks measure time."""
     prefill, b, c, _ = pd_restarted
     hits = b.metric("decode_worker_cached_tokens_total", tier="storage")
     times: dict[str, list[float]] = {"l3": [], "off": []}
