@@ -14,6 +14,7 @@ reused, whatever the network delay.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
+from decode_worker.cache.handles import NO_PAGES
 from decode_worker.config import ServerConfig
 from decode_worker.core.request import Bootstrap, RequestError
 from decode_worker.metrics import Metrics
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
     from decode_worker.scheduler.req import Req
 
+log = logging.getLogger(__name__)
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
 HANDSHAKE_KEEPALIVE_S = 1.0
 """How long an idle connection to a prefill worker is kept for the next handshake; well under the server's."""
@@ -123,6 +126,8 @@ class DeltaKVFetcher:
             try:
                 await self.agent.read(answer.room, peer, into, answer.pages[prefix_pages:], deadline)
             except TransferError as e:
+                if e.reason == "unstoppable":
+                    self._quarantine(req)
                 raise self._fail(e.reason, f"KV transfer from prefill {room.boot.host}:{room.boot.port} failed: "
                                            f"{e.reason}" + (f" ({e.detail})" if e.detail else ""),
                                  504 if e.reason == "timeout" else 502) from e
@@ -130,6 +135,13 @@ class DeltaKVFetcher:
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix_pages * ps)
         self.metrics.kv_received_bytes.inc(len(into) * self.pool.layout.page_bytes)
         self.metrics.kv_transfer.observe(time.monotonic() - started)
+
+    def _quarantine(self, req: Req) -> None:
+        """Keep a read's pages out of use for good: a read that could not be stopped may still write into them,
+        and a page handed to another request would then get this prompt's KV. Leaked, and logged, on purpose."""
+        leaked, req.handle.delta_pages = req.handle.delta_pages, NO_PAGES
+        log.error("request %s: %d KV pages are kept out of use for good (a read into them could not be stopped)",
+                  req.rid, leaked.numel())
 
     def _start(self, req: Req) -> _Room:
         boot = req.inp.bootstrap

@@ -35,14 +35,14 @@ _nixl_logger = logging.getLogger("nixl")  # through our handlers (stderr), never
 _nixl_logger.handlers.clear()
 _nixl_logger.propagate = True
 
-REASONS = ("timeout", "peer_lost", "size_mismatch", "unknown_room", "cancelled")
+REASONS = ("timeout", "peer_lost", "size_mismatch", "unknown_room", "cancelled", "unstoppable")
 """Why a transfer failed; also the ``reason`` label of ``transfer_failures_total``."""
 INLINE_BYTES = 2 << 20
 """Reads below this are posted on the event loop: the hop to the copy thread costs more than the copy."""
 POLL_S = 0.0005
 """Polling period of a read the post did not finish (a transport that completes asynchronously)."""
 RETIRE_S = 5.0
-"""How long a read that could not be cancelled may take to end before its pages are given up on (logged)."""
+"""How long a read that could not be cancelled may take to end before the read fails as ``unstoppable``."""
 
 
 class TransferError(Exception):
@@ -136,7 +136,9 @@ class KVAgent:
             if state != "DONE":
                 raise TransferError(room, "peer_lost", "the peer's pages could not be read")
         finally:
-            await self._retire(room, handle, state)
+            if not await self._retire(room, handle, state):
+                raise TransferError(room, "unstoppable", "the read could not be stopped: its pages may still be "
+                                                         "written and must never be reused")
 
     def notify(self, peer: str, message: bytes) -> bool:
         """A notification outside a transfer; False when the peer is gone."""
@@ -172,19 +174,19 @@ class KVAgent:
             logger.debug("KV read failed: %r", e)
             return "ERR"
 
-    async def _retire(self, room: int, handle, state: str) -> None:
+    async def _retire(self, room: int, handle, state: str) -> bool:
         """Release the transfer. One still in progress is cancelled; one that cannot be is waited for (up to
-        ``RETIRE_S``), since its pages may not be reused while it can still write into them."""
+        ``RETIRE_S``), since its pages may not be reused while it can still write into them. False when it could
+        not be stopped: the caller must then never give those pages back."""
         for _ in range(int(RETIRE_S / POLL_S)):
             try:
                 handle.release()
-                return
+                return True
             except Exception:  # still active and not cancellable: wait for it to end
                 await asyncio.sleep(POLL_S)
                 state = self._state(handle)
-                if state != "PROC":
-                    continue
-        logger.error("KV read of room %d could not be stopped (%s); its pages are given back regardless", room, state)
+        logger.error("KV read of room %d could not be stopped (%s)", room, state)
+        return False
 
 
 async def run_to_the_end(work: asyncio.Future):

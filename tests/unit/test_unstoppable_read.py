@@ -1,0 +1,48 @@
+"""A KV read that cannot be stopped must never give its pages back: a page handed to another request would then
+receive this prompt's KV whenever the read finally writes."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode_worker.cache.handles import NO_PAGES
+from decode_worker.pd.decode import DeltaKVFetcher
+from decode_worker.transfer import agent as agent_module
+from decode_worker.transfer.agent import KVAgent, TransferError
+
+
+class StuckHandle:
+    """A transfer that stays in progress and refuses release, as an uncancellable RDMA read might."""
+
+    def release(self) -> None:
+        raise RuntimeError("transfer still active")
+
+
+def test_a_read_that_cannot_be_stopped_fails_as_unstoppable(monkeypatch):
+    monkeypatch.setattr(agent_module, "RETIRE_S", 0.02)
+    agent = KVAgent(torch.zeros(1, 2, 4, 16), "decode")  # [layer, kv, page, ...]: 4 pages
+    try:
+        monkeypatch.setattr(agent.agent, "make_prepped_xfer", lambda *a, **k: StuckHandle())
+        monkeypatch.setattr(agent, "_post", lambda handle: "PROC")
+        monkeypatch.setattr(agent, "_state", lambda handle: "PROC")
+        peer = SimpleNamespace(pool=agent.pool, dlist=None, name="peer")
+
+        async def read():
+            await agent.read(7, peer, [1], [2], deadline=asyncio.get_running_loop().time() + 0.01)
+
+        with pytest.raises(TransferError) as failure:
+            asyncio.run(read())
+        assert failure.value.reason == "unstoppable"
+    finally:
+        monkeypatch.undo()
+        agent.close()
+
+
+def test_the_fetcher_keeps_an_unstoppable_reads_pages_out_of_use():
+    pages = torch.tensor([5, 6, 9])
+    req = SimpleNamespace(rid="r1", handle=SimpleNamespace(delta_pages=pages))
+    DeltaKVFetcher._quarantine(SimpleNamespace(), req)
+    assert req.handle.delta_pages is NO_PAGES  # release() frees the handle's delta pages: none are left to free
