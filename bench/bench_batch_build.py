@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 
 import torch
+from bench_sampling import best_ms  # a script: bench/ is on sys.path
 
 from decode_worker.model.forward_batch import ForwardBatch
 
@@ -25,17 +25,6 @@ def decode_step(batch: int, context: int) -> tuple[list[list[int]], list[int], l
     rng.shuffle(free)
     pages = [[free.pop() for _ in range(-(-(n + 1) // PAGE))] for n in lens]
     return [[rng.randrange(49152)] for _ in lens], lens, pages
-
-
-def best_ms(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` runs after a warm-up: on a shared machine the others measure the neighbours."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(min(times) * 1e3, 3)
 
 
 def main() -> None:
