@@ -170,7 +170,7 @@ class EvictionMixin:
         """Drop the highest unlocked node in neither tier on the path to ``node`` (left by a failed backup)."""
         gap = None
         while node is not self.tree.root and node.parent is not None:
-            if not node.on_device and not node.on_host and node.lock_ref == 0:
+            if node.device_indices is None and node.host_indices is None and node.lock_ref == 0:
                 gap = node
             node = node.parent
         if gap is not None:

@@ -78,6 +78,7 @@ class LoadHandle:
 
     def take_pages(self) -> torch.Tensor:
         """Prefix pages followed by the delta pages; the delta pages now belong to the caller (for insert)."""
-        pages = torch.cat([self.device_indices, self.delta_pages])
+        prefix, delta = self.device_indices, self.delta_pages
+        pages = torch.cat([prefix, delta]) if prefix.shape[0] else delta  # a miss: the delta is all the caller's
         self.delta_pages = NO_PAGES
         return pages

@@ -108,21 +108,22 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix over L1 then L2, stopping at the first gap. Changes nothing."""
         key = token_key(tokens)
-        path, tail = self.tree.match(key)
-        ps = self.page_size
+        tree = self.tree
+        path, tail = tree.match(key)
+        ps, last = self.page_size, len(path) - 1
         dev_parts, restore = [], []
         device_pages, host_pages = 0, 0
         for i, node in enumerate(path):
-            pages = tail if i == len(path) - 1 else self.tree.num_pages(node)
-            if node.on_device and not restore:
-                full = pages == self.tree.num_pages(node)
-                dev_parts.append(node.device_indices if full else node.device_indices[:pages])
+            held = node.device_indices
+            pages = tail if i == last else tree.num_pages(node)
+            if held is not None and not restore:
+                dev_parts.append(held if pages == held.shape[0] else held[:pages])
                 device_pages += pages
-            elif node.on_host and not node.on_device:
+            elif node.host_indices is not None and held is None:
                 restore.append(node)
                 host_pages += pages
             else:  # a gap (a node losing its last tier while locked)
-                path, tail = path[:i], (self.tree.num_pages(path[i - 1]) if i else 0)
+                path, tail = path[:i], (tree.num_pages(path[i - 1]) if i else 0)
                 break
         return MatchResult(
             key=key,
@@ -252,24 +253,28 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         Returns the deepest node reached, the number of pages grafted, how many of them were already on L1, and
         (with ``exact``) the tree's L1 pages for them, in parts end to end.
         """
-        path, tail = self.tree.match(key)
-        node, pos, cached, dup, kept, tree_pages = self.tree.root, 0, 0, [], [], []
+        tree = self.tree
+        path, tail = tree.match(key)
+        node, pos, cached, dup, kept, tree_pages = tree.root, 0, 0, [], [], []
+        last = len(path) - 1
         for i, child in enumerate(path):
             if child.loading is not None:
                 break  # its L1 data is still arriving: nothing is grafted below it
-            k = tail if i == len(path) - 1 else self.tree.num_pages(child)
-            if k < self.tree.num_pages(child) and (exact or pos + k < n or not child.on_device):
-                child = self._split(child, k)
-            mine = pages[pos : pos + k]
-            if child.on_device:
-                held = child.device_indices if k == len(child.device_indices) else child.device_indices[:k]
+            size = tree.num_pages(child)
+            k = tail if i == last else size
+            if k < size and (exact or pos + k < n or child.device_indices is None):
+                child = self._split(child, k)  # now ``k`` pages long
+            held = child.device_indices
+            if held is not None:
+                held = held if k == held.shape[0] else held[:k]
+                mine = pages[pos : pos + k]
                 if not torch.equal(mine, held):  # usually equal: the request got its prefix from this node
                     dup.append(mine[mine != held])
                 cached += k
             else:
-                self.tree.set_device(child, mine)
+                tree.set_device(child, pages[pos : pos + k])
             if exact:
-                tree_pages.append(child.device_indices[:k])
+                tree_pages.append(child.device_indices)  # exactly ``k`` pages: ``exact`` split it
             kept.append(child)
             node, pos = child, pos + k
         else:

@@ -150,7 +150,9 @@ class PageAllocator:
     def free(self, pages: torch.Tensor) -> None:
         """Return pages; raises, freeing none of them, if one is not in use or is listed twice."""
         n = pages.numel()
-        if n == 0:
+        if n <= 1:
+            if n:
+                self._free_one(int(pages.item()))  # a request's partial last page: no array operations
             return
         idx = pages.to(torch.int64).cpu().numpy() if pages.dtype != torch.int64 or pages.is_cuda else pages.numpy()
         state, size = self._state, n * idx.itemsize
@@ -166,3 +168,11 @@ class PageAllocator:
         state[idx] = FREE
         self._stack[self._top : self._top + n] = idx[::-1]  # the first page freed is the next handed out
         self._top += n
+
+    def _free_one(self, page: int) -> None:
+        """``free`` of a single page, with the same checks."""
+        if not 0 <= page < self.num_pages or self._state.item(page) != IN_USE:
+            raise RuntimeError(f"double free or foreign pages: {[page]}")
+        self._state[page] = FREE
+        self._stack[self._top] = page
+        self._top += 1

@@ -222,9 +222,10 @@ class RadixTree:
         node.device_indices = pages[:keep]
         if node.hashes is not None:
             node.hashes = node.hashes[:keep]
-        self.device_pages -= pages.numel() - keep
+        self.device_pages -= pages.shape[0] - keep
         self.version += 1
-        self._file(self.device_leaves, node, self.device_evictable(node))
+        if node.parent is not None:  # still an unlocked L1 leaf (checked above), unless detached
+            self.device_leaves.add(node)
         return pages[keep:]
 
     def remove(self, node: TreeNode) -> None:
@@ -260,12 +261,15 @@ class RadixTree:
         if self.events is not None:
             self.events.removed(node, MEDIUM_GPU)
         pages = node.device_indices
-        self._count_host(node, -1)
-        node.device_indices = None
-        self._count_host(node, +1)
-        self.device_pages -= pages.numel()
+        if node.host_indices is None:
+            node.device_indices = None
+        else:
+            self._count_host(node, -1)
+            node.device_indices = None
+            self._count_host(node, +1)
+        self.device_pages -= pages.shape[0]
         if node.lock_ref:
-            self.locked_device_pages -= pages.numel()
+            self.locked_device_pages -= pages.shape[0]
         self.version += 1
         self.device_leaves.members.discard(node)
         self._file(self.host_leaves, node, self.host_evictable(node))
