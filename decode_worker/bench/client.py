@@ -21,6 +21,11 @@ class Target:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def bearer(api_key: str) -> dict[str, str]:
+    """The header a deployment behind ``--api-key`` wants; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 @dataclass
 class RequestResult:
     prompt: list[int]
@@ -70,6 +75,16 @@ async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], o
     finally:
         res.e2e = time.perf_counter() - start
     return res
+
+
+async def warm_up_request(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
+                          deadline: float, text: str | None = None) -> None:
+    """One request that must succeed before a run: a fresh router may answer 503 for a moment after its /health
+    turns ready, so it is retried until ``deadline`` (monotonic time)."""
+    while (res := await generate(http, target, prompt, output_len, 0.0, text)).error is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up request failed: {res.error}")
+        await asyncio.sleep(1)
 
 
 def http_client(connections: int) -> httpx.AsyncClient:

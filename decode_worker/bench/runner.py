@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from decode_worker.bench.ceiling import unbounded_hit_rate
-from decode_worker.bench.client import RequestResult, Target, generate, http_client, run_chat, run_prompts
+from decode_worker.bench.client import (
+    RequestResult,
+    Target,
+    bearer,
+    http_client,
+    run_chat,
+    run_prompts,
+    warm_up_request,
+)
 from decode_worker.bench.deploy import DeploySpec, Endpoints, deployed
 from decode_worker.bench.modes import WARMS_RESTART, Mode
 from decode_worker.bench.prom import Scrape, scrape
@@ -43,7 +51,7 @@ class Plan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     @property
     def total_requests(self) -> int:
@@ -86,19 +94,13 @@ async def _flush(http: httpx.AsyncClient, ep: Endpoints, headers: dict[str, str]
 
 
 async def _warm_up(plan: Plan, target: Target, prompt_len: int) -> None:
-    """First requests on a fresh worker pay one-off costs (allocator, kernels); they are kept out of the figures.
-    The router may answer 503 for a moment after its /health turns ready, so this retries."""
+    """First requests on a fresh worker pay one-off costs (allocator, kernels); they are kept out of the figures."""
     rng = random.Random(f"warmup-{plan.seed}")
     deadline = time.monotonic() + 120
     async with http_client(WARMUP_REQUESTS) as http:
         for _ in range(WARMUP_REQUESTS):
-            while True:
-                res = await generate(http, target, [rng.randrange(plan.vocab_size) for _ in range(prompt_len)], 4, 0.0)
-                if res.error is None:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"warm-up request failed: {res.error}")
-                await asyncio.sleep(1)
+            await warm_up_request(http, target, [rng.randrange(plan.vocab_size) for _ in range(prompt_len)], 4,
+                                  deadline)
 
 
 async def _replay(plan: Plan, workload: Workload, mode: Mode, target: Target, history: History,

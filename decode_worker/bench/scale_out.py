@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from decode_worker.bench.ceiling import unbounded_hit_rate
-from decode_worker.bench.client import Target, generate, http_client, run_prompts
+from decode_worker.bench.client import Target, bearer, http_client, run_prompts, warm_up_request
 from decode_worker.bench.deploy import DeploySpec
 from decode_worker.bench.fleet import FleetEndpoints, fleet, redis_flush, routed
 from decode_worker.bench.prom import Scrape, scrape
@@ -66,7 +66,7 @@ class ScalePlan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     @property
     def total_requests(self) -> int:
@@ -104,10 +104,7 @@ async def _warm_up(plan: ScalePlan, ep: FleetEndpoints) -> None:
     async with http_client(2) as http:
         for _ in range(2 * len(ep.decodes)):
             ids = [rng.choice(plan.words) for _ in range(length)]
-            while (res := await generate(http, target, ids, 2, 0.0, plan.decode_text(ids))).error is not None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"warm-up request failed: {res.error}")
-                await asyncio.sleep(1)
+            await warm_up_request(http, target, ids, 2, deadline, plan.decode_text(ids))
 
 
 async def _scrapes(http: httpx.AsyncClient, ep: FleetEndpoints) -> tuple[list[Scrape], Scrape]:
