@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -80,6 +81,24 @@ def peer():
     p.close()
 
 
+@pytest.fixture
+def big_peer():
+    p = PeerProcess(BIG_PAGES)
+    yield p
+    p.close()
+
+
+@contextlib.contextmanager
+def decode_side(peer: PeerProcess, pages: int = PAGES):
+    """Our pool (zeros) and agent, connected to ``peer``: ``(pool, agent, remote)``; the agent is closed after."""
+    pool = KVPool(LAYOUT, pages)
+    agent = KVAgent(pool.buffer, "decode")
+    try:
+        yield pool, agent, agent.add_peer(peer.metadata, peer.pool)
+    finally:
+        agent.close()
+
+
 def read(agent: KVAgent, peer, into, source, deadline_s: float = 10.0) -> None:
     async def go():
         await agent.read(1, peer, list(into), list(source), asyncio.get_running_loop().time() + deadline_s)
@@ -87,10 +106,7 @@ def read(agent: KVAgent, peer, into, source, deadline_s: float = 10.0) -> None:
 
 
 def test_scattered_pages_land_exactly_and_the_peer_hears_the_release(peer):
-    pool = KVPool(LAYOUT, PAGES)
-    agent = KVAgent(pool.buffer, "decode")
-    try:
-        remote = agent.add_peer(peer.metadata, peer.pool)
+    with decode_side(peer) as (pool, agent, remote):
         source, into = [200, 3, 4, 5, 77, 255], [9, 10, 11, 100, 1, 0]
         read(agent, remote, into, source)
         reference = seeded(PAGES).buffer
@@ -98,16 +114,10 @@ def test_scattered_pages_land_exactly_and_the_peer_hears_the_release(peer):
         untouched = [p for p in range(PAGES) if p not in into]
         assert int(pool.buffer[:, :, untouched].count_nonzero()) == 0  # nothing outside the pages asked for
         assert agent.notify(remote.name, b"release 2 2") and peer.next_notification() == "release 2 2"
-    finally:
-        agent.close()
 
 
-def test_large_read_goes_through_the_copy_thread_and_keeps_the_loop_free():
-    big = PeerProcess(BIG_PAGES)
-    pool = KVPool(LAYOUT, BIG_PAGES)
-    agent = KVAgent(pool.buffer, "decode")
-    try:
-        remote = agent.add_peer(big.metadata, big.pool)
+def test_large_read_goes_through_the_copy_thread_and_keeps_the_loop_free(big_peer):
+    with decode_side(big_peer, BIG_PAGES) as (pool, agent, remote):
         order = torch.randperm(BIG_PAGES, generator=torch.Generator().manual_seed(1)).tolist()
 
         async def go() -> int:
@@ -124,16 +134,10 @@ def test_large_read_goes_through_the_copy_thread_and_keeps_the_loop_free():
             return ticks
         assert asyncio.run(go()) > 0  # the loop ran while the 64 MB were copied
         assert same_bytes(pool.buffer[:, :, order], seeded(BIG_PAGES).buffer)
-    finally:
-        agent.close()
-        big.close()
 
 
 def test_a_dead_peer_fails_the_read_at_once(peer):
-    pool = KVPool(LAYOUT, PAGES)
-    agent = KVAgent(pool.buffer, "decode")
-    try:
-        remote = agent.add_peer(peer.metadata, peer.pool)
+    with decode_side(peer) as (_, agent, remote):
         read(agent, remote, [1], [1])  # connected
         peer.proc.send_signal(signal.SIGKILL)
         peer.proc.wait(10)
@@ -142,22 +146,16 @@ def test_a_dead_peer_fails_the_read_at_once(peer):
             read(agent, remote, [2, 3], [2, 3])
         assert e.value.reason == "peer_lost" and time.monotonic() - started < 2.0
         agent.notify(remote.name, b"release 1 1")  # to a dead peer: dropped quietly, no exception
-    finally:
-        agent.close()
 
 
-def test_peer_killed_mid_read_leaves_no_late_write():
+def test_peer_killed_mid_read_leaves_no_late_write(big_peer):
     """SIGKILL while a 64 MB read runs: it fails (peer_lost) or completes, and once it returned nothing writes into
     our pages any more."""
-    big = PeerProcess(BIG_PAGES)
-    pool = KVPool(LAYOUT, BIG_PAGES)
-    agent = KVAgent(pool.buffer, "decode")
-    try:
-        remote = agent.add_peer(big.metadata, big.pool)
+    with decode_side(big_peer, BIG_PAGES) as (pool, agent, remote):
 
         async def go() -> str:
             loop = asyncio.get_running_loop()
-            loop.call_later(0.002, big.proc.send_signal, signal.SIGKILL)
+            loop.call_later(0.002, big_peer.proc.send_signal, signal.SIGKILL)
             try:
                 await agent.read(1, remote, list(range(BIG_PAGES)), list(range(BIG_PAGES)), loop.time() + 30)
                 return "done"
@@ -170,21 +168,13 @@ def test_peer_killed_mid_read_leaves_no_late_write():
         assert same_bytes(pool.buffer, snapshot)
         if outcome == "done":
             assert same_bytes(pool.buffer, seeded(BIG_PAGES).buffer)
-    finally:
-        agent.close()
-        big.close()
 
 
 def test_mismatched_page_lists_are_refused_before_anything_moves(peer):
-    pool = KVPool(LAYOUT, PAGES)
-    agent = KVAgent(pool.buffer, "decode")
-    try:
-        remote = agent.add_peer(peer.metadata, peer.pool)
+    with decode_side(peer) as (pool, agent, remote):
         with pytest.raises(TransferError) as e:
             read(agent, remote, [1, 2], [1])
         assert e.value.reason == "size_mismatch"
         with pytest.raises(ValueError, match="outside"):
             read(agent, remote, [PAGES], [0])
         assert int(pool.buffer.count_nonzero()) == 0
-    finally:
-        agent.close()
