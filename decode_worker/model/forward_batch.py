@@ -96,22 +96,30 @@ def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_cou
     if is_decode:
         rows, positions = torch.arange(batch), prefix
     else:
-        rows = torch.repeat_interleave(torch.arange(batch), new)
-        positions = torch.arange(ids.numel()) - (torch.cumsum(new, 0) - new)[rows] + prefix[rows]
+        rows, within = _runs(new)
+        positions = within + prefix[rows]
     out = {
         "input_ids": ids,
         "positions": positions,
-        "out_slots": table[rows, positions // page_size] * page_size + positions % page_size,
+        "out_slots": _slots(table, rows, positions, page_size),
         "page_table": table,
         "seq_lens": seq_lens,
         "logits_indices": torch.arange(ids.numel()) if all_logits else torch.cumsum(new, 0) - 1,
     }
     if not is_decode:
-        ctx_rows = torch.repeat_interleave(torch.arange(batch), seq_lens)
-        starts = torch.cumsum(seq_lens, 0) - seq_lens
-        ctx_pos = torch.arange(ctx_rows.numel()) - starts[ctx_rows]
-        out["context_slots"] = table[ctx_rows, ctx_pos // page_size] * page_size + ctx_pos % page_size
+        out["context_slots"] = _slots(table, *_runs(seq_lens), page_size)
     return out
+
+
+def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lengths`` laid back to back: each element's run and its index within the run."""
+    rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return rows, torch.arange(rows.numel()) - (torch.cumsum(lengths, 0) - lengths)[rows]
+
+
+def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slots of token ``positions`` of requests ``rows``, through the page table."""
+    return table[rows, positions // page_size] * page_size + positions % page_size
 
 
 def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
