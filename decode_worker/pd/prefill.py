@@ -2,7 +2,7 @@
 
 A request that reaches its first token is held by room (its pages stay locked) until the decode side's handshake
 comes. The answer names the prompt's pages in our registered pool; decode reads them itself, and its release
-notification (sent with the read, or on its own when decode gives up) frees them. A hand-off whose release never
+notification (sent after the read, or on its own when decode gives up) frees them. A hand-off whose release never
 comes is freed when its hold expires: decode's read deadline ends strictly before (``pd/decode.py``), so no read
 runs from a page we reuse. Either way the pages then go into prefill's own radix cache.
 """
