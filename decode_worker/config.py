@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from enum import Enum
 from importlib.metadata import version
 from typing import Any
@@ -174,6 +175,11 @@ def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
     if not given.pop("enable_kv_cache_events", True) or publisher == "null":
         return None
     return given
+
+
+def mask_url(url: str) -> str:
+    """A ``redis://user:password@host`` URL with its credentials starred out, for logs and /server_info."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def package_version() -> str:

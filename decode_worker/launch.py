@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decode_worker.config import ConfigError
+from decode_worker.config import ENV_PREFIX, ConfigError, mask_url
 
 CACHE_FLAGS = ["--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache"]
 # sglang-router's decode selection policies (`manual` needs a routing key per request: not offered here).
@@ -181,8 +181,10 @@ def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequen
             *router_auth(api_key)]
 
 
-def storage_flags(redis_url: str) -> list[str]:
-    return ["--hicache-storage-backend", "redis", "--hicache-storage-url", redis_url]
+def storage_env(redis_url: str) -> dict[str, str]:
+    """The decode workers' shared L3, given through their environment: a password in the URL would show in ``ps``
+    on a command line."""
+    return {f"{ENV_PREFIX}HICACHE_STORAGE_BACKEND": "redis", f"{ENV_PREFIX}HICACHE_STORAGE_URL": redis_url}
 
 
 def _start_redis(dep: Deployment, args: argparse.Namespace, env: dict[str, str]) -> str:
@@ -201,11 +203,11 @@ def _start_workers(dep: Deployment, args: argparse.Namespace, env: dict[str, str
         common += ["--model-path", args.model_path]
     worker = [sys.executable, "-m", "decode_worker.cli", "serve"]
     cache = CACHE_FLAGS[:1] if args.no_hicache else CACHE_FLAGS
-    storage = storage_flags(redis_url) if redis_url else []
+    decode_env = env | storage_env(redis_url) if redis_url else env
     dep.start("prefill", worker + ["--role", "prefill", "--port", str(args.prefill_port)] + common, env)
     for i, port in enumerate(decode_ports(args)):
         dep.start(f"decode-{i}", worker + ["--role", "decode", "--port", str(port), "--bootstrap-port",
-                                           str(args.prefill_port)] + common + cache + storage, env)
+                                           str(args.prefill_port)] + common + cache, decode_env)
     names = ["prefill", *(f"decode-{i}" for i in range(args.decode_replicas))]
     for name, port in zip(names, [args.prefill_port, *decode_ports(args)]):
         dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)
@@ -216,7 +218,7 @@ def _print_ready(args: argparse.Namespace, metrics_port: int, redis_url: str | N
     decodes = ", ".join(f"http://{args.host}:{p}" for p in decode_ports(args))
     print(f"PD deployment ready: router {url} (metrics :{metrics_port}, decode policy {args.decode_policy}), "
           f"prefill http://{args.host}:{args.prefill_port}, decode {decodes}"
-          + (f", shared L3 {redis_url}" if redis_url else ""))
+          + (f", shared L3 {mask_url(redis_url)}" if redis_url else ""))
     print(f"logs: {log_dir}")
     auth = " -H \"Authorization: Bearer $DECODE_WORKER_API_KEY\"" if args.api_key else ""
     print(f"try:\n  curl -s {url}/generate{auth} -H 'content-type: application/json' "

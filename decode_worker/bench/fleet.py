@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from decode_worker.bench.deploy import DeploySpec, worker_cmd
 from decode_worker.bench.modes import MODES
-from decode_worker.launch import Deployment, free_port, redis_command, redis_ok, router_command, storage_flags
+from decode_worker.launch import Deployment, free_port, redis_command, redis_ok, router_command
 
 REDIS_MAX_GB = 4.0  # far above any scaled-down trace: L3 never evicts in the benchmark
 
@@ -52,8 +52,8 @@ def _decode_flags(spec: DeploySpec, redis: tuple[str, int] | None) -> list[str]:
     flags = MODES["hier"].decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy)
     if redis is None:
         return flags
-    return flags + storage_flags(f"redis://{redis[0]}:{redis[1]}") + [
-        "--hicache-storage-prefetch-policy", spec.prefetch_policy]
+    return flags + ["--hicache-storage-backend", "redis", "--hicache-storage-url", f"redis://{redis[0]}:{redis[1]}",
+                    "--hicache-storage-prefetch-policy", spec.prefetch_policy]
 
 
 @contextmanager

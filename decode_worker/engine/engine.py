@@ -11,11 +11,11 @@ import torch
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.prefix_cache import NoPrefixReuse
 from decode_worker.cache.sizing import host_pool_pages, make_host_pool
-from decode_worker.config import ServerConfig, package_version
+from decode_worker.config import ServerConfig, mask_url, package_version
 from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
-from decode_worker.engine.summary import mask_url, startup_summary
+from decode_worker.engine.summary import startup_summary
 from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model

@@ -1,15 +1,8 @@
 """The start-up line an operator reads first: what runs, where, and how much KV each tier holds."""
 from __future__ import annotations
 
-import re
-
-from decode_worker.config import ServerConfig
+from decode_worker.config import ServerConfig, mask_url
 from decode_worker.model.runner import ModelRunner
-
-
-def mask_url(url: str) -> str:
-    """A ``redis://user:password@host`` URL with its credentials starred out, for logs and /server_info."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def startup_summary(cfg: ServerConfig, runner: ModelRunner, model_path: str, host_pages: int) -> str:

@@ -58,6 +58,17 @@ def served(pods: list[Proc], before: list[float]) -> int:
     return moved[0]
 
 
+def command_lines() -> list[str]:
+    """Every process's command line on this machine (those that end while read are left out)."""
+    lines = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(path.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return lines
+
+
 def wait_metric(proc: Proc, name: str, at_least: float, timeout_s: float = 60, **labels: str) -> None:
     deadline = time.monotonic() + timeout_s
     while proc.metric(name, default=0.0, **labels) < at_least:
@@ -104,6 +115,10 @@ def test_every_decode_pod_points_at_the_one_redis(two_decode_pods):
     assert {i["hicache_storage_backend"] for i in infos} == {"redis"}
     (url,) = {i["hicache_storage_url"] for i in infos}
     assert url.startswith("redis://127.0.0.1:")
+    # the URL reaches the workers through their environment: a password in it would show in `ps` otherwise
+    lines = command_lines()
+    assert sum("--role decode" in line for line in lines) >= 2
+    assert not [line for line in lines if url in line]
 
 
 def test_prefix_from_one_pod_reaches_the_other_through_redis(two_decode_pods, reference):
