@@ -4,7 +4,8 @@ A request that reaches its first token is held by room (its pages stay locked) u
 comes. The answer names the prompt's pages in our registered pool; decode reads them itself, and its release
 notification (sent after the read, or on its own when decode gives up) frees them. A hand-off whose release never
 comes is freed when its hold expires: decode's read deadline ends strictly before (``pd/decode.py``), so no read
-runs from a page we reuse. Either way the pages then go into prefill's own radix cache.
+runs from a page we reuse. Either way the pages then go into prefill's own radix cache. A decode peer that gives
+up before our answer closes its handshake: its room is abandoned, and the KV is freed as soon as it is held.
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ class KVHandoff:
     scheduler: Scheduler | None = None
     leases: dict[int, _Lease] = field(default_factory=dict)  # room -> held KV no handshake asked for yet
     handed: dict[int, _Lease] = field(default_factory=dict)  # lease id -> KV answered, until decode releases it
+    abandoned: dict[int, float] = field(default_factory=dict)  # room -> until when: its decode peer gave up waiting
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _watcher: asyncio.Task | None = None
@@ -80,6 +82,10 @@ class KVHandoff:
         if req.inp.bootstrap is None:
             return False  # a plain request on a prefill worker is served to the end
         room = req.inp.bootstrap.room
+        if self.abandoned.pop(room, None) is not None:  # nobody will ask: answer the client, then free the KV
+            log.info("decode peer of room %d gave up before prefill finished: its KV is freed now", room)
+            asyncio.get_running_loop().call_soon(self.scheduler.release_held, req)
+            return True
         if (old := self.leases.get(room)) is not None:  # a router reusing a room: the newer request wins
             self.scheduler.release_held(old.req)
         self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s, room)
@@ -89,6 +95,9 @@ class KVHandoff:
     def expire(self) -> None:
         """Free held KV whose decode peer never came, and hand-offs whose release never came."""
         now = time.monotonic()
+        for room, until in list(self.abandoned.items()):
+            if until < now:
+                del self.abandoned[room]
         for room, lease in list(self.leases.items()):
             if lease.expires < now:
                 log.warning("KV lease of room %d expired without a handshake", room)
@@ -110,7 +119,11 @@ class KVHandoff:
         diff = self.pool.layout.differences(body.layout)
         if diff:
             raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
-        req = (await self._wait_for_room(body.room)).req
+        try:
+            req = (await self._wait_for_room(body.room)).req
+        except asyncio.CancelledError:
+            self._abandon(body.room)
+            raise
         try:
             return self._answer(body, req, asked).to_json()
         except BaseException:  # a rejected hand-off frees the KV it held
@@ -146,6 +159,15 @@ class KVHandoff:
         if lease is None:
             raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
         return lease
+
+    def _abandon(self, room: int) -> None:
+        """The decode peer went away before our answer (its request ended): free the room's KV now if we hold
+        it, else as soon as it arrives (``hold``), instead of holding it for nobody until its lease ends."""
+        self._arrived.pop(room, None)
+        if (lease := self.leases.pop(room, None)) is not None:
+            self.scheduler.release_held(lease.req)
+        else:
+            self.abandoned[room] = time.monotonic() + self.config.kv_lease_s
 
     async def _watch_releases(self) -> None:
         """Free each hand-off as its release notification arrives; runs while any hand-off is out."""

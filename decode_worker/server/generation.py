@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -14,6 +15,7 @@ from decode_worker.core.sequence import trim_stop_string
 from decode_worker.engine.engine import Engine
 from decode_worker.server.detokenize import IncrementalText
 
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request asks whether its client is still there
 
 
@@ -96,6 +98,19 @@ async def collect(engine: Engine, request: Request, inputs: list[GenerateInput])
                 if i < len(tasks):
                     tasks[i].cancel()
                 engine.abort(s.rid)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; a client that goes away first cancels it (a 499 for the log, nobody reads it)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise RequestError("client disconnected", 499, "aborted")
+        return task.result()
+    finally:
+        task.cancel()
 
 
 async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tuple[Collected, TokenEvent]]:

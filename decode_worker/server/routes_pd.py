@@ -10,6 +10,7 @@ from decode_worker.pd.prefill import check_pd_token
 from decode_worker.server.dependencies import EngineDep
 from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import HANDSHAKE_EXAMPLES
+from decode_worker.server.generation import until_disconnected
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import HandshakeAccepted, errors
 from decode_worker.server.schemas import HandshakeRequest
@@ -27,4 +28,4 @@ router = APIRouter()
 async def handshake(request: Request, engine: EngineDep) -> JSONResponse:
     body = await parse_body(request, HandshakeRequest)  # first, so an old peer hears its body is refused
     check_pd_token(engine.config.pd_token, request.headers.get(PD_TOKEN_HEADER))
-    return JSONResponse(await engine.handshake(body))
+    return JSONResponse(await until_disconnected(request, engine.handshake(body)))

@@ -177,6 +177,24 @@ def test_prefill_killed_mid_request(logs, prefill, decode):
     assert_fails_cleanly(result["d"], decode, prefill, t, 15, "prefill")
 
 
+def test_decode_giving_up_before_the_answer_frees_prefill_at_once(logs, decode):
+    """A decode request whose client leaves while its handshake waits for prefill closes the handshake; prefill
+    then frees the room's KV as soon as it holds it, not when its 60 s lease ends."""
+    patient = start_worker("prefill-patient", logs, "prefill", "--kv-lease-s", "60", env=TOKEN)
+    try:
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": int(patient.url.rsplit(":", 1)[1]),
+                "bootstrap_room": next(rooms)}
+        body = {"text": PROMPT * 2, "sampling_params": GREEDY, **boot}
+        with pytest.raises(httpx.TimeoutException):  # the client leaves; prefill has not seen the prompt yet
+            httpx.post(decode.url + "/generate", json=body, timeout=1.5)
+        time.sleep(3)  # decode notices, aborts, and closes its handshake
+        assert httpx.post(patient.url + "/generate", json=body, timeout=60).status_code == 200
+        wait_pages_free(patient, timeout_s=20)
+        wait_pages_free(decode)
+    finally:
+        patient.stop()
+
+
 def test_decode_rejects_requests_without_bootstrap(decode):
     r = httpx.post(decode.url + "/generate", json={"text": "Hi"}, timeout=10)
     assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
