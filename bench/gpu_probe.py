@@ -8,7 +8,8 @@
 - ``l1_l2``: page load-back and backup GB/s between an L1 pool and its registered L2 pool, against a plain
   pinned copy and the PCIe link's nominal rate.
 - ``step_overhead``: per decode step at batch 64 (SmolLM2-shaped random model, CUDA graphs): host time to build
-  the batch and launch, and the whole step with greedy and with top-p sampling.
+  the batch (through the persistent page-table rows: only new pages are sent) and launch, and the whole step
+  with greedy and with top-p sampling; ``full_build_ms`` is the full page-table rebuild the rows replaced.
 - ``l1_l2`` also times the cache's ``CopyEngine`` (chunked through its staging, registered once).
 - ``sampling``: the batched sampler against the per-row one it replaced, batch 64/256, vocabulary 49152.
 
@@ -128,7 +129,7 @@ def replay_churn() -> dict:
     return {"max_abs_diff": worst, "ok": worst < 5e-2}
 
 
-def make_runner(max_bs: int, like=None):
+def make_runner(max_bs: int, like=None, device: str = "cuda"):
     """A SmolLM2-135M-shaped random bf16 model (nothing to download), sharing weights with ``like``."""
     from decode_worker.model.config import ModelConfig
     from decode_worker.model.llama import LlamaModel
@@ -137,7 +138,7 @@ def make_runner(max_bs: int, like=None):
 
     if like is None:
         config = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 10000.0, 8192, True, name="probe")
-        with torch.device("cuda"), default_dtype(torch.bfloat16):
+        with torch.device(device), default_dtype(torch.bfloat16):
             model = LlamaModel(config).eval()
         loaded = LoadedModel(config, model, None, "probe")
     else:
@@ -222,22 +223,26 @@ def pcie_nominal_gbs() -> float | None:
     return round(per_lane * width, 1) if per_lane else None
 
 
-def step_overhead(batch: int = 64, steps: int = 30) -> dict:
-    """Host time of a decode step (build the batch, launch the graph) against the whole step with sampling."""
+def step_overhead(batch: int = 64, steps: int = 30, context: int = 500, device: str = "cuda") -> dict:
+    """Host time of a decode step (build the batch through the persistent page-table rows, launch the graph)
+    against the whole step with sampling; and the full rebuild of every page the rows replaced, for comparison."""
     from decode_worker.core.sampling import SamplingParams
     from decode_worker.model.sampler import sample
 
-    runner = make_runner(max_bs=batch)
-    prompts = [[(3 * b + i) % 1000 for i in range(500)] for b in range(batch)]
-    pages = [list(range(1 + b * 40, 1 + b * 40 + 40)) for b in range(batch)]
+    runner = make_runner(max_bs=batch, device=device)
+    per_request = -(-(context + steps + 1) // PAGE)
+    prompts = [[(3 * b + i) % 1000 for i in range(context)] for b in range(batch)]
+    pages = [list(range(1 + b * per_request, 1 + (b + 1) * per_request)) for b in range(batch)]
     runner.forward(runner.build_batch(prompts, [0] * batch, pages))
-    gens = [None] * batch
-    out: dict = {"batch": batch}
+    keys, tokens, gens = [f"probe{b}" for b in range(batch)], [1] * batch, [None] * batch
+    out: dict = {"batch": batch, "context": context,
+                 "full_build_ms": median_ms([wall(lambda i=i: runner.build_batch(
+                     [[1]] * batch, [context + i] * batch, pages)) for i in range(steps)])}
     for name, p in (("greedy", SamplingParams(temperature=0)), ("top_p", SamplingParams(temperature=0.8, top_p=0.9))):
         build, launch, whole = [], [], []
         for i in range(steps):  # the same positions again for the second mode: its KV is rewritten alike
             t0 = time.perf_counter()
-            fb = runner.build_batch([[1]] * batch, [500 + i] * batch, pages)
+            fb = runner.build_decode(keys, tokens, [context + i] * batch, pages)
             t1 = time.perf_counter()
             logits = runner.forward(fb)
             t2 = time.perf_counter()

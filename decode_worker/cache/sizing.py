@@ -2,9 +2,14 @@
 
 Allocating tens of GB of (pinned) host memory that the machine does not have fails late and obscurely (an OOM
 kill mid-serving, or a CUDA pinning error); checking ``MemAvailable`` at start turns that into a clear message.
+With L1 on CUDA the copy engine's staging (``STAGING_BYTES`` of registered host memory and as much device memory)
+comes with the L2 pool, so both checks count it.
 """
 from __future__ import annotations
 
+import torch
+
+from decode_worker.cache.copy_engine import STAGING_BYTES
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.core.host_memory import pin_in_place
 
@@ -13,6 +18,16 @@ GB = 10**9  # SGLang's --hicache-size unit
 
 class InsufficientHostMemory(RuntimeError):
     """The requested L2 pool does not fit in this host's available memory."""
+
+
+class InsufficientDeviceMemory(RuntimeError):
+    """The copy engine's device staging does not fit next to the L1 pool and the model."""
+
+
+def staging_bytes(cuda_available: bool | None = None) -> int:
+    """Host (and, as much again, device) memory the copy engine's staging takes: none without CUDA, where copies
+    go directly."""
+    return STAGING_BYTES if (torch.cuda.is_available() if cuda_available is None else cuda_available) else 0
 
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
@@ -30,11 +45,12 @@ def host_pool_pages(
     size_gb: float | None = None,
     available_bytes: int | None = None,
     headroom_bytes: int = 2 * 1024**3,
+    cuda_available: bool | None = None,
 ) -> int:
     """Pages of the L2 pool: ``size_gb`` if given, else ``ratio`` times the L1 pool.
 
-    Raises ``InsufficientHostMemory`` when the pool plus ``headroom_bytes`` (for the process itself) exceeds
-    the memory the host has available now.
+    Raises ``InsufficientHostMemory`` when the pool, the copy engine's host staging (with CUDA) and
+    ``headroom_bytes`` (for the process itself) exceed the memory the host has available now.
     """
     if size_gb is not None:
         if size_gb <= 0:
@@ -48,20 +64,32 @@ def host_pool_pages(
         asked = f"--disaggregation-decode-hicache-ratio {ratio} x {device_pages} L1 pages"
     if pages < 1:
         raise ValueError(f"{asked} gives an empty L2 pool (one page is {layout.page_bytes} bytes)")
-    need = pages * layout.page_bytes
+    need, staging = pages * layout.page_bytes, staging_bytes(cuda_available)
     have = mem_available_bytes() if available_bytes is None else available_bytes
-    if need + headroom_bytes > have:
+    if need + staging + headroom_bytes > have:
         raise InsufficientHostMemory(
             f"L2 host KV pool needs {need / GB:.2f} GB ({pages} pages of {layout.page_bytes} bytes, from {asked}) "
-            f"plus {headroom_bytes / GB:.2f} GB headroom, but the host has only {have / GB:.2f} GB available. "
+            f"plus {staging / GB:.2f} GB copy staging and {headroom_bytes / GB:.2f} GB headroom, "
+            f"but the host has only {have / GB:.2f} GB available. "
             "Lower --disaggregation-decode-hicache-ratio or set a smaller --disaggregation-decode-hicache-size."
         )
     return pages
 
 
-def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_available: bool | None = None) -> KVPool:
+def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_available: bool | None = None,
+                   device_free_bytes: int | None = None) -> KVPool:
     """The L2 pool in host memory, exactly the bytes ``host_pool_pages`` counted; page-locked in place when L1 is
-    on CUDA, so copies run asynchronously at full speed (see ``pin_in_place``: no power-of-two rounding)."""
+    on CUDA, so copies run asynchronously at full speed (see ``pin_in_place``: no power-of-two rounding).
+
+    With L1 on CUDA, first checks that the copy engine's device staging still fits in the device's free memory
+    (``device_free_bytes``, else what CUDA reports), raising ``InsufficientDeviceMemory`` before anything is
+    allocated or registered rather than failing at the first copy."""
+    if device_pool.device.type == "cuda":
+        free = torch.cuda.mem_get_info(device_pool.device)[0] if device_free_bytes is None else device_free_bytes
+        if free < STAGING_BYTES:
+            raise InsufficientDeviceMemory(
+                f"the L2 copy staging needs {STAGING_BYTES / 2**20:.0f} MiB of device memory next to the L1 pool, "
+                f"but only {free / 2**20:.0f} MiB are free. Lower --max-total-tokens.")
     pool = KVPool(layout, num_pages, device="cpu")
     if device_pool.device.type == "cuda":
         pin_in_place(pool.buffer, owner=pool, cuda_available=cuda_available)

@@ -7,6 +7,7 @@ from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel
+from decode_worker.model.page_table import PageTableRows
 from decode_worker.model.sampler import SampleResult, Shaping, sample
 
 
@@ -29,6 +30,8 @@ class ModelRunner:
         # One extra page: page 0 is the scratch page that padded decode rows write to.
         self.num_pages = max_total_tokens // page_size + 1
         self.pool = KVPool(self.layout, self.num_pages, self.device)
+        max_pages = min(self.config.max_context // page_size + 1, self.num_pages)
+        self.rows = PageTableRows(max_pages, self.device)  # running requests' pages, kept on the device
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
             from decode_worker.model.cuda_graph import DecodeGraphs
@@ -37,6 +40,12 @@ class ModelRunner:
 
     def build_batch(self, new_tokens: list[list[int]], prefix_lens: list[int], pages: list[list[int]], all_logits: bool = False) -> ForwardBatch:
         return ForwardBatch.build(new_tokens, prefix_lens, pages, self.page_size, self.device, all_logits)
+
+    def build_decode(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
+                     pages: list[list[int]]) -> ForwardBatch:
+        """A decode step through the running requests' persistent page-table rows (``keys`` name the rows; the
+        scheduler frees a request's row with ``rows.release`` when it stops running)."""
+        return self.rows.decode_batch(keys, last_tokens, prefix_lens, pages, self.page_size)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (or [T, vocab] with all_logits) in float32. From a CUDA graph they are a view of its

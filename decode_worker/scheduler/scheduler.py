@@ -239,10 +239,8 @@ class Scheduler:
 
     def _decode_batch(self) -> Batch | None:
         """The running requests that got the page their next token needs; None when none did."""
-        ready = set()
-        for req in sorted(self.queues.running, key=lambda r: -len(r.seq.output_ids)):  # most progress first
-            if req.state is S.RUNNING and self._grow(req):
-                ready.add(req)
+        ready = {req for req in sorted(self.queues.running, key=lambda r: -len(r.seq.output_ids))
+                 if req.state is S.RUNNING and self._grow(req)}  # most progress first; _grow may retract others
         reqs = [r for r in self.queues.running if r in ready]
         return decode_batch(self.runner, reqs, self.eos_token_ids) if reqs else None
 
@@ -267,6 +265,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Free a running request's L1 pages (backing its KV up to L2 where possible) and queue it to resume."""
         self.queues.move(req, S.RETRACTED)
+        self.runner.rows.release(req.rid)
         req.release(self.cache, self.page_size, backup=True)
         self.metrics.retractions.inc()
         log.info("retracted %s after %d tokens: L1 is full", req.rid, len(req.seq.output_ids))
@@ -389,6 +388,7 @@ class Scheduler:
 
     def _close(self, req: Req, outcome: str) -> None:
         self.requests.pop(req.rid, None)
+        self.runner.rows.release(req.rid)  # its page-table row, if it decoded
         record_close(self.metrics, req, outcome)
         req.stream.queue.put_nowait(None)
 

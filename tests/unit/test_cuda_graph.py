@@ -27,7 +27,16 @@ def churn_allocator(device: str) -> None:
         junk.add_(1)
 
 
-def replay_matches_eager(graphs: ModelRunner, eager: ModelRunner, sizes: tuple[int, ...], device: str) -> None:
+def decode_step(runner: ModelRunner, prompts: list[list[int]], pages: list[list[int]], rows: bool) -> ForwardBatch:
+    """The decode step after ``prompts``: a full build, or through the runner's persistent page-table rows."""
+    if rows:
+        return runner.build_decode([f"r{b}" for b in range(len(prompts))], [p[-1] for p in prompts],
+                                   [len(p) for p in prompts], pages)
+    return runner.build_batch([[p[-1]] for p in prompts], [len(p) for p in prompts], pages)
+
+
+def replay_matches_eager(graphs: ModelRunner, eager: ModelRunner, sizes: tuple[int, ...], device: str,
+                         rows: bool = False) -> None:
     rng = random.Random(0)
     for bs in sizes:  # exact buckets and padded ones
         prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 40))] for _ in range(bs)]
@@ -36,10 +45,12 @@ def replay_matches_eager(graphs: ModelRunner, eager: ModelRunner, sizes: tuple[i
             alloc = PageAllocator(runner.num_pages, reserved=1)
             pages = [alloc.alloc(-(-(len(p) + 1) // 4)).tolist() for p in prompts]
             runner.forward(runner.build_batch(prompts, [0] * bs, pages))
-            step = runner.build_batch([[p[-1]] for p in prompts], [len(p) for p in prompts], pages)
+            step = decode_step(runner, prompts, pages, rows)
             assert step.is_decode
             churn_allocator(device)
             outs.append(runner.forward(step).clone())
+            for b in range(bs):
+                runner.rows.release(f"r{b}")
         assert (outs[0] - outs[1]).abs().max().item() < 1e-4, bs
 
 
@@ -70,16 +81,18 @@ def test_captured_steps_read_only_the_graph_runners_buffers(tiny_models):
     assert set(graphs.graphs.batches) == set(graphs.graphs.buckets)  # kept for the graphs' life
 
 
-def test_stand_in_replay_after_allocator_churn_matches_eager(tiny_models):
+@pytest.mark.parametrize("rows", [False, True], ids=["full_build", "page_table_rows"])
+def test_stand_in_replay_after_allocator_churn_matches_eager(tiny_models, rows: bool):
     graphs, eager, _ = cpu_runners(load_model(tiny_models["llama"], tokenizer=False))
-    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cpu")
+    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cpu", rows)
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_graph_replay_after_allocator_churn_matches_eager(tiny_models):
+@pytest.mark.parametrize("rows", [False, True], ids=["full_build", "page_table_rows"])
+def test_graph_replay_after_allocator_churn_matches_eager(tiny_models, rows: bool):
     loaded = load_model(tiny_models["llama"], device="cuda", tokenizer=False)
     graphs = ModelRunner(loaded, max_total_tokens=4096, page_size=4, cuda_graph_max_bs=16)
     eager = ModelRunner(loaded, max_total_tokens=4096, page_size=4)
     assert graphs.graphs is not None and eager.graphs is None
-    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cuda")
+    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cuda", rows)

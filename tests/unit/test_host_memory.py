@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from decode_worker.cache.copy_engine import STAGING_BYTES
 from decode_worker.cache.pool import KVLayout
-from decode_worker.cache.sizing import host_pool_pages, make_host_pool
+from decode_worker.cache.sizing import InsufficientDeviceMemory, InsufficientHostMemory, host_pool_pages, make_host_pool
 from decode_worker.core import host_memory
 
 LAYOUT = KVLayout("test", num_layers=3, num_kv_heads=2, head_dim=24, page_size=16, dtype=torch.bfloat16)
@@ -28,7 +29,7 @@ def test_l2_pool_for_a_cuda_l1_is_registered_in_place_with_no_rounding(cuda_call
     would round 100 pages, 921,600 bytes, up to 1 MiB; on a CPU-only build it cannot even be made)."""
     pages = host_pool_pages(LAYOUT, 40, ratio=2.5, available_bytes=10**12)
     cuda_l1 = SimpleNamespace(device=torch.device("cuda"))
-    pool = make_host_pool(LAYOUT, pages, cuda_l1, cuda_available=True)
+    pool = make_host_pool(LAYOUT, pages, cuda_l1, cuda_available=True, device_free_bytes=10**12)
     counted = pages * LAYOUT.page_bytes
     assert pool.buffer.untyped_storage().nbytes() == counted
     assert cuda_calls == [("register", pool.buffer.data_ptr(), counted)]
@@ -36,6 +37,26 @@ def test_l2_pool_for_a_cuda_l1_is_registered_in_place_with_no_rounding(cuda_call
     del pool
     gc.collect()
     assert cuda_calls[-1] == ("unregister", ptr)
+
+
+def test_host_sizing_counts_the_copy_staging_with_cuda():
+    """With CUDA the copy engine pins STAGING_BYTES of host memory next to the pool: a host with room for the
+    pool alone is refused, one with room for both is not; without CUDA there is no staging to count."""
+    pool_bytes = 100 * LAYOUT.page_bytes
+    size = dict(ratio=2.5, headroom_bytes=0)
+    assert host_pool_pages(LAYOUT, 40, available_bytes=pool_bytes, cuda_available=False, **size) == 100
+    with pytest.raises(InsufficientHostMemory, match="plus 0.07 GB copy staging"):
+        host_pool_pages(LAYOUT, 40, available_bytes=pool_bytes + STAGING_BYTES - 1, cuda_available=True, **size)
+    assert host_pool_pages(LAYOUT, 40, available_bytes=pool_bytes + STAGING_BYTES, cuda_available=True, **size) == 100
+
+
+def test_l2_pool_is_refused_before_registering_when_the_device_staging_does_not_fit(cuda_calls):
+    cuda_l1 = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(InsufficientDeviceMemory, match="needs 64 MiB of device memory .* only 63 MiB are free"):
+        make_host_pool(LAYOUT, 10, cuda_l1, cuda_available=True, device_free_bytes=STAGING_BYTES - (1 << 20))
+    assert not cuda_calls
+    pool = make_host_pool(LAYOUT, 10, cuda_l1, cuda_available=True, device_free_bytes=STAGING_BYTES)
+    assert cuda_calls == [("register", pool.buffer.data_ptr(), 10 * LAYOUT.page_bytes)]
 
 
 def test_l2_pool_for_a_cpu_l1_is_plain_memory(cuda_calls):

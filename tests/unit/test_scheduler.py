@@ -98,6 +98,8 @@ def settle(scheduler: Scheduler) -> None:
     assert stats.device.locked == 0 and stats.device.used == 0
     for tier, pages in stats.tiers().items():
         assert pages.free + pages.used + pages.evictable + pages.locked == pages.total, (tier, pages)
+    rows = scheduler.runner.rows
+    assert len(rows) == 0 and not rows.table.any(), "page-table rows left taken or showing pages"
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +208,7 @@ def watch_resumptions(scheduler: Scheduler) -> list[tuple[int, int, int]]:
     def watched_retract(req: Req) -> None:
         retracted.setdefault(req.rid, []).append(req.seq.num_computed // ps * ps)
         retract(req)
+        assert req.rid not in scheduler.runner.rows, "a retracted request kept its page-table row"
 
     def watched_try_alloc(req: Req) -> bool:
         ok = try_alloc(req)

@@ -1,0 +1,140 @@
+"""Persistent page-table rows on the device: a decode step sends only the pages added since the last step.
+
+Rebuilding the whole ``[B, max_pages]`` table every step costs milliseconds of host time at batch 256 and 4K
+context (every page of every request packed again). Instead each running request keeps a row of ``table`` for as
+long as it runs (as SGLang's req_to_token pool and vLLM's block table do): a step writes the new
+``(row, column, page)`` triples and gathers the batch's rows on the device.
+
+A row is rewritten from column 0 when the request's page list is a different list object than the one synced;
+otherwise only the list's tail past the synced length is sent. This relies on the scheduler's contract that a
+running request's page list only grows in place (``seq.pages += ...``); any other change assigns a new list.
+A released row is zeroed at once, so a reused row never shows a previous request's pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain, repeat
+
+import torch
+
+from decode_worker.model.forward_batch import ForwardBatch, int_tensor, pack_to_device
+
+
+@dataclass(eq=False)
+class _Row:
+    index: int
+    pages: list[int] | None = None  # the list object synced from (identity, not equality, is checked)
+    synced: int = 0  # leading entries of ``pages`` already in the device row
+
+
+class PageTableRows:
+    """Rows of page ids, one per running request key, grown by doubling when every row is taken."""
+
+    def __init__(self, max_pages: int, device: torch.device, capacity: int = 64):
+        self.max_pages = max_pages
+        self.device = device
+        self.table = torch.zeros(capacity, max_pages, dtype=torch.int64, device=device)
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest row first
+        self._rows: dict[str, _Row] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[0]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row_of(self, key: str) -> int:
+        return self._rows[key].index
+
+    def release(self, key: str) -> None:
+        """The request left the decode batch (finished, aborted, retracted): zero its whole row (a failed step may
+        have written past what was synced) and free it. A key that holds no row (never decoded) is ignored."""
+        row = self._rows.pop(key, None)
+        if row is not None:
+            self.table[row.index].zero_()
+            self._free.append(row.index)
+
+    def decode_batch(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
+                     pages: list[list[int]], page_size: int) -> ForwardBatch:
+        """A decode step: request b writes token ``last_tokens[b]`` at position ``prefix_lens[b]``. Rows taken for
+        new keys are given back if the step cannot be laid out; the synced lengths advance only once the
+        delta is on the device, so the next step resends whatever a failed one sent."""
+        if len(set(keys)) != len(keys):
+            raise ValueError("a request appears twice in one decode step")
+        seq_lens = [p + 1 for p in prefix_lens]
+        needs = [-(-n // page_size) for n in seq_lens]
+        for n, need, plist in zip(seq_lens, needs, pages):
+            if len(plist) < need:
+                raise ValueError(f"{n} tokens need {need} pages, request has {len(plist)}")
+            if need > self.max_pages:
+                raise ValueError(f"{n} tokens need {need} pages, a page-table row holds {self.max_pages}")
+        taken = [key for key in keys if key not in self._rows]
+        try:
+            rows = [self._row(key) for key in keys]
+            delta = self._delta(rows, pages, needs)
+            fb = self._lay_out(rows, delta, last_tokens, prefix_lens, seq_lens, pages, needs, page_size)
+        except BaseException:
+            for key in taken:
+                self.release(key)
+            raise
+        for row, plist, need in zip(rows, pages, needs):
+            row.pages, row.synced = plist, need
+        return fb
+
+    def _row(self, key: str) -> _Row:
+        row = self._rows.get(key)
+        if row is None:
+            if not self._free:
+                self._grow()
+            row = self._rows[key] = _Row(self._free.pop())
+        return row
+
+    def _grow(self) -> None:
+        """Double the rows; live rows keep their index (and their contents)."""
+        old = self.capacity
+        table = torch.zeros(2 * old, self.max_pages, dtype=torch.int64, device=self.device)
+        table[:old].copy_(self.table)
+        self.table = table
+        self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
+
+    @staticmethod
+    def _delta(rows: list[_Row], pages: list[list[int]], needs: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """The (row, column, page) triples that bring each row to its request's first ``need`` pages: the new tail
+        of the same list, or the whole row (zeros past the end) for a new list."""
+        d_rows: list[int] = []
+        d_cols: list[int] = []
+        d_vals: list[int] = []
+        for row, plist, need in zip(rows, pages, needs):
+            start = row.synced if row.pages is plist and row.synced <= need else 0
+            end = need if start else max(need, row.synced)
+            if start == end:
+                continue
+            d_rows += repeat(row.index, end - start)
+            d_cols += range(start, end)
+            d_vals += plist[start:need] if end == need else chain(plist[:need], repeat(0, end - need))
+        return d_rows, d_cols, d_vals
+
+    def _lay_out(self, rows: list[_Row], delta: tuple[list[int], list[int], list[int]], last_tokens: list[int],
+                 prefix_lens: list[int], seq_lens: list[int], pages: list[list[int]], needs: list[int],
+                 page_size: int) -> ForwardBatch:
+        """Send the step's vectors and the delta in one copy, apply the delta, gather the batch's rows."""
+        batch = len(rows)
+        out_slots = [plist[p // page_size] * page_size + p % page_size for plist, p in zip(pages, prefix_lens)]
+        host = {
+            "input_ids": last_tokens, "positions": prefix_lens, "out_slots": out_slots, "seq_lens": seq_lens,
+            "logits_indices": range(batch), "rows": [r.index for r in rows],
+            "d_rows": delta[0], "d_cols": delta[1], "d_vals": delta[2],
+        }
+        moved = pack_to_device({name: int_tensor(values) for name, values in host.items()}, self.device)
+        if delta[0]:
+            self.table[moved["d_rows"], moved["d_cols"]] = moved["d_vals"]
+        page_table = self.table[:, : max(needs)].index_select(0, moved["rows"])
+        return ForwardBatch(
+            is_decode=True, input_ids=moved["input_ids"], positions=moved["positions"],
+            out_slots=moved["out_slots"], page_table=page_table, seq_lens=moved["seq_lens"],
+            prefix_lens=list(prefix_lens), logits_indices=moved["logits_indices"],
+        )
