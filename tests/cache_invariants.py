@@ -43,33 +43,35 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
         assert node.key and len(node.key) % tree.page_bytes == 0, f"{node} is not page aligned"
         assert parent.children.get(node.key[: tree.page_bytes]) is node, f"{node} is not its parent's child"
         assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0, f"lock refs of {node}"
+        for pages in (node.device_indices, node.host_indices):
+            assert pages is None or (type(pages) is np.ndarray and pages.dtype == np.int64), f"{node}: {pages!r}"
         if node.on_device:
-            assert node.device_indices.numel() == k, f"{node} has {node.device_indices.numel()} L1 pages"
+            assert len(node.device_indices) == k, f"{node} has {len(node.device_indices)} L1 pages"
             assert parent is root or parent.on_device, f"{node} is on L1 below a parent that is not"
             dev.append(node.device_indices)
             locked_dev += k if node.lock_ref else 0
         if node.on_host:
-            assert node.host_indices.numel() == k, f"{node} has {node.host_indices.numel()} L2 pages"
+            assert len(node.host_indices) == k, f"{node} has {len(node.host_indices)} L2 pages"
             host.append(node.host_indices)
         # A gap is locked; below it may hang anything not on L1 (one request's path whose demotion failed is
         # a chain of gaps): match stops at it, and the last unlock drops it with its subtree.
         assert node.on_device or node.on_host or node.lock_ref > 0, f"{node} is in neither tier"
         assert all(op is None or op in pending for op in (node.loading, node.saving)), f"{node} stale copy"
     dev_pages = cat_pages(dev)
-    assert dev_pages.unique().numel() == dev_pages.numel(), "an L1 page is held by two nodes"
+    assert len(np.unique(dev_pages)) == len(dev_pages), "an L1 page is held by two nodes"
     assert not bool((dev_pages < cache.device_alloc.reserved).any()), "a reserved L1 page is in the tree"
-    assert tree.device_pages == dev_pages.numel() and tree.locked_device_pages == locked_dev, "L1 counters"
-    assert cache._draining == sum(op.drain.numel() for op in cache._pending), "draining pages"
+    assert tree.device_pages == len(dev_pages) and tree.locked_device_pages == locked_dev, "L1 counters"
+    assert cache._draining == sum(len(op.drain) for op in cache._pending), "draining pages"
     held = tree.device_pages + cache._draining
     used = cache.device_alloc.num_used
     assert used >= held, f"L1: {used} pages allocated but the tree holds {held}"
     if request_pages is not None:
         assert used == held + request_pages, f"L1: {used} allocated != {held} in tree + {request_pages} requests"
     host_pages = cat_pages(host)
-    assert host_pages.unique().numel() == host_pages.numel(), "an L2 page is held by two nodes"
+    assert len(np.unique(host_pages)) == len(host_pages), "an L2 page is held by two nodes"
     host_used = 0 if cache.host_alloc is None else cache.host_alloc.num_used
-    held = host_pages.numel() + cache._host_out
-    assert host_used == held, f"L2: {host_used} allocated != {host_pages.numel()} in tree + {cache._host_out} out"
+    held = len(host_pages) + cache._host_out
+    assert host_used == held, f"L2: {host_used} allocated != {len(host_pages)} in tree + {cache._host_out} out"
     if prefetch_pages is not None:
         assert cache._host_out == prefetch_pages, f"L2: {cache._host_out} pages out != {prefetch_pages} prefetching"
     check_evictable_leaves(tree)

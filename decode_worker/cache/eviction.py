@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
@@ -121,7 +122,7 @@ class EvictionMixin:
             self._start_demotion(demote, old_pages)
         return released
 
-    def _start_demotion(self, op: PendingCopy, old_pages: list[torch.Tensor]) -> None:
+    def _start_demotion(self, op: PendingCopy, old_pages: list[np.ndarray]) -> None:
         """Copy write_back victims to L2; their old L1 pages are freed when the copy is done.
 
         A victim whose parent was dropped later in the same batch left the tree with it: it is not copied.
@@ -135,8 +136,9 @@ class EvictionMixin:
         op.locked = list(op.nodes)
         for node in op.nodes:
             self.tree.lock(node)
-        self._draining += op.drain.numel()
-        op.future = self.engine.backup(cat_pages([p for _, p in live]), cat_pages([n.host_indices for n in op.nodes]))
+        self._draining += len(op.drain)
+        op.future = self.engine.backup(torch.from_numpy(cat_pages([p for _, p in live])),
+                                       torch.from_numpy(cat_pages([n.host_indices for n in op.nodes])))
         self._pending.append(op)
 
     def evict_host(self, n_pages: int) -> int:
@@ -151,7 +153,7 @@ class EvictionMixin:
 
     # -- removing nodes ---------------------------------------------------------------------------------------------
 
-    def _drop(self, node: TreeNode, device_pages: list[torch.Tensor] | None = None) -> None:
+    def _drop(self, node: TreeNode, device_pages: list[np.ndarray] | None = None) -> None:
         """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers (the L1 ones
         into ``device_pages`` instead, for the caller to free in one batch)."""
         for n in self.tree.subtree(node) if node.children else (node,):

@@ -1,12 +1,14 @@
 """What a caller of the cache holds: a ``MatchResult`` (read-only), a ``LoadHandle`` (a locked prefix and its
-pages) and the ``LoadBackError`` its ``wait`` raises. The cache's own bookkeeping lives in the other modules."""
+pages) and the ``LoadBackError`` its ``wait`` raises. The cache's own bookkeeping lives in the other modules.
+
+Page ids are int64 numpy arrays here as everywhere in the cache (``pool.page_ids`` says why)."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from decode_worker.cache.radix_tree import Key, TreeNode
 
@@ -14,12 +16,12 @@ if TYPE_CHECKING:
     from decode_worker.cache.hicache import HierarchicalCache
     from decode_worker.cache.tiers import PendingCopy
 
-NO_PAGES = torch.empty(0, dtype=torch.int64)
+NO_PAGES = np.empty(0, dtype=np.int64)
 
 
-def cat_pages(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Page tensors end to end (no copy for one part; an empty tensor for none)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else NO_PAGES
+def cat_pages(parts: list[np.ndarray]) -> np.ndarray:
+    """Page arrays end to end (no copy for one part; an empty array for none)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_PAGES
 
 
 class LoadBackError(RuntimeError):
@@ -35,7 +37,7 @@ class MatchResult:
     tail_pages: int
     device_hit_tokens: int
     host_hit_tokens: int
-    device_indices: torch.Tensor  # L1 pages of the device hit
+    device_indices: np.ndarray  # L1 pages of the device hit
     restore_nodes: list[TreeNode]  # host-only nodes after the device hit, in path order
     version: int  # tree version at match time; a stale match is redone by load_back_and_lock
 
@@ -50,8 +52,8 @@ class LoadHandle:
 
     cache: HierarchicalCache
     node: TreeNode  # deepest locked node (the root when nothing matched)
-    device_indices: torch.Tensor  # L1 pages of the whole prefix; valid once wait() returns
-    delta_pages: torch.Tensor  # pages allocated for the rest of the request, owned by the handle
+    device_indices: np.ndarray  # L1 pages of the whole prefix; valid once wait() returns
+    delta_pages: np.ndarray  # pages allocated for the rest of the request, owned by the handle
     device_hit_tokens: int
     restored_tokens: int
     waits: list[PendingCopy]
@@ -59,7 +61,7 @@ class LoadHandle:
 
     @property
     def prefix_tokens(self) -> int:
-        return self.device_indices.numel() * self.cache.page_size
+        return len(self.device_indices) * self.cache.page_size
 
     def ready(self) -> bool:
         self.cache.poll()
@@ -76,9 +78,9 @@ class LoadHandle:
         if not all(op.ok for op in self.waits):
             raise LoadBackError(f"load-back of a {self.prefix_tokens}-token prefix failed")
 
-    def take_pages(self) -> torch.Tensor:
+    def take_pages(self) -> np.ndarray:
         """Prefix pages followed by the delta pages; the delta pages now belong to the caller (for insert)."""
         prefix, delta = self.device_indices, self.delta_pages
-        pages = torch.cat([prefix, delta]) if prefix.shape[0] else delta  # a miss: the delta is all the caller's
+        pages = np.concatenate((prefix, delta)) if len(prefix) else delta  # a miss: the delta is all the caller's
         self.delta_pages = NO_PAGES
         return pages

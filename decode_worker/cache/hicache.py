@@ -39,13 +39,13 @@ from collections import deque
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
+import numpy as np
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.eviction import EvictionMixin, rank_key
 from decode_worker.cache.handles import NO_PAGES, LoadBackError, LoadHandle, MatchResult, cat_pages
 from decode_worker.cache.l3 import StorageMixin
-from decode_worker.cache.pool import KVPool, PageAllocator
+from decode_worker.cache.pool import KVPool, PageAllocator, PageIds, page_ids
 from decode_worker.cache.radix_tree import Key, RadixTree, Tokens, TreeNode, token_key
 from decode_worker.cache.stats import CacheCounters, CacheStats, TierPages
 from decode_worker.cache.tiers import SELECTIVE_HITS, PendingCopy, TierMixin
@@ -117,7 +117,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             held = node.device_indices
             pages = tail if i == last else tree.num_pages(node)
             if held is not None and not restore:
-                dev_parts.append(held if pages == held.shape[0] else held[:pages])
+                dev_parts.append(held if pages == len(held) else held[:pages])
                 device_pages += pages
             elif node.host_indices is not None and held is None:
                 restore.append(node)
@@ -176,7 +176,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             cache=self,
             node=last,
             # the path is locked: its L1 pages are still the match's, then the restored ones
-            device_indices=torch.cat([match.device_indices, pages[:n_restore]]) if restore else match.device_indices,
+            device_indices=cat_pages([match.device_indices, pages[:n_restore]]) if restore else match.device_indices,
             delta_pages=pages[n_restore:] if restore else pages,
             device_hit_tokens=match.device_hit_tokens,
             restored_tokens=n_restore * self.page_size,
@@ -196,7 +196,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
 
     # -- insertion ----------------------------------------------------------------------------------------------
 
-    def insert(self, tokens: Tokens, device_pages: torch.Tensor, *, backup: bool = False) -> int:
+    def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
         """Cache the full pages of ``tokens``; returns how many tokens were already cached on L1.
 
         The tree takes ``device_pages[:full pages]``: pages for the new part are kept, pages that duplicate
@@ -205,18 +205,16 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         to L2 now whatever the policy (a retracted request). The pages past a node whose load-back is still in
         flight are freed, not grafted below it.
         """
-        key = token_key(tokens)
+        key, device_pages = token_key(tokens), page_ids(device_pages)
         n = len(key) // self.tree.page_bytes
-        if device_pages.numel() < n:
-            raise ValueError(f"{n} full pages of tokens, got {device_pages.numel()} pages")
+        if len(device_pages) < n:
+            raise ValueError(f"{n} full pages of tokens, got {len(device_pages)} pages")
         _, pos, cached, _ = self._graft(key, device_pages, n, backup=backup, exact=False)
         if pos < n:
             self.device_alloc.free(device_pages[pos:n])
         return cached * self.page_size
 
-    def cache_in_flight(
-        self, handle: LoadHandle, tokens: Tokens, pages: torch.Tensor
-    ) -> tuple[LoadHandle, torch.Tensor]:
+    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
         """Share a running request's computed full pages through the tree, so concurrent requests hit them now.
 
         ``tokens``: the tokens whose KV is computed (their full pages count); ``pages``: the request's pages, the
@@ -225,12 +223,12 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         handle (the old one is spent) and the request's new page list: tree pages for the cached prefix (the
         tree's copy replaces a duplicate, which is freed; same tokens, same KV), then the rest of ``pages``.
         """
-        if handle.released or handle.delta_pages.numel():
+        if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
-        key = token_key(tokens)
-        n, old = len(key) // self.tree.page_bytes, handle.device_indices.numel()
-        if pages.numel() < n:
-            raise ValueError(f"{n} full pages of tokens, got {pages.numel()} pages")
+        key, pages = token_key(tokens), page_ids(pages)
+        n, old = len(key) // self.tree.page_bytes, len(handle.device_indices)
+        if len(pages) < n:
+            raise ValueError(f"{n} full pages of tokens, got {len(pages)} pages")
         if n <= old:
             return handle, pages
         node, pos, _, parts = self._graft(key, pages, n, backup=False, exact=True)
@@ -241,11 +239,11 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         handle.released = True
         tree_pages = cat_pages(parts)
         new = LoadHandle(self, node, tree_pages, NO_PAGES, handle.device_hit_tokens, handle.restored_tokens, [])
-        return new, torch.cat([tree_pages, pages[pos:]])
+        return new, np.concatenate((tree_pages, pages[pos:]))
 
     def _graft(
-        self, key: Key, pages: torch.Tensor, n: int, *, backup: bool, exact: bool
-    ) -> tuple[TreeNode, int, int, list[torch.Tensor]]:
+        self, key: Key, pages: np.ndarray, n: int, *, backup: bool, exact: bool
+    ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
         """Put ``pages[:n]`` (one per whole page of ``key``, which has ``n``) into the tree along ``key``, stopping
         at a node whose L1 data is still arriving. Pages duplicating L1 data are freed; ``exact`` splits a node
         that ``key`` ends inside, so that the returned node ends where the grafted part does.
@@ -266,9 +264,9 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
                 child = self._split(child, k)  # now ``k`` pages long
             held = child.device_indices
             if held is not None:
-                held = held if k == held.shape[0] else held[:k]
+                held = held if k == len(held) else held[:k]
                 mine = pages[pos : pos + k]
-                if not torch.equal(mine, held):  # usually equal: the request got its prefix from this node
+                if mine.tobytes() != held.tobytes():  # usually equal: the request got its prefix from this node
                     dup.append(mine[mine != held])
                 cached += k
             else:

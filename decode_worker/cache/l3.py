@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode_worker.cache.handles import MatchResult, cat_pages
-from decode_worker.cache.pool import KVPool, PageAllocator
+from decode_worker.cache.pool import KVPool, PageAllocator, PageIds, page_ids
 from decode_worker.cache.radix_tree import RadixTree, Tokens, TreeNode, chain_hashes, token_key
 from decode_worker.cache.tiers import SELECTIVE_HITS
 from decode_worker.core.policies import StorageBackup
@@ -49,19 +49,21 @@ class StorageMixin:
     def alloc_host(self, n: int) -> torch.Tensor | None:
         """``n`` L2 pages for a prefetch, evicting host-only leaves if needed; None when L2 cannot make room.
 
-        The caller owns them until it passes them to ``insert_host`` or ``free_host``.
+        The caller owns them until it passes them to ``insert_host`` or ``free_host``. A torch tensor: the L3
+        tier is an edge of the cache (``pool.page_ids``).
         """
         pages = self._alloc_host(n)
-        if pages is not None:
-            self._host_out += n
-        return pages
+        if pages is None:
+            return None
+        self._host_out += n
+        return torch.from_numpy(pages)
 
-    def free_host(self, pages: torch.Tensor) -> None:
+    def free_host(self, pages: PageIds) -> None:
         """Return L2 pages from ``alloc_host`` that hold nothing worth keeping."""
         self.host_alloc.free(pages)
-        self._host_out -= pages.numel()
+        self._host_out -= len(pages)
 
-    def insert_host(self, tokens: Tokens, host_pages: torch.Tensor, from_page: int) -> range:
+    def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
         """Attach L2 pages holding pages ``from_page, from_page + 1, ...`` of ``tokens`` as a host-only node.
 
         The tree may have changed since the prefetch began, so this matches again: pages the tree now holds are
@@ -69,9 +71,9 @@ class StorageMixin:
         node in neither tier blocks the spot, nothing connects and every page is freed. Returns the page indices
         of ``tokens`` the new node holds (empty when none).
         """
-        key = token_key(tokens)
+        key, host_pages = token_key(tokens), page_ids(host_pages)
         tree, pb = self.tree, self.tree.page_bytes
-        end = from_page + host_pages.numel()
+        end = from_page + len(host_pages)
         if end * pb > len(key):
             raise ValueError(f"pages up to {end} of a {len(key) // pb}-page key")
         path, tail = tree.match(key[: end * pb])
@@ -116,4 +118,4 @@ class StorageMixin:
         nodes = list(nodes)
         if nodes:
             keys = [k for n in nodes for k in self.tree.page_hashes(n)]
-            self.storage.backup(keys, self.host_pool, cat_pages([n.host_indices for n in nodes]))
+            self.storage.backup(keys, self.host_pool, torch.from_numpy(cat_pages([n.host_indices for n in nodes])))

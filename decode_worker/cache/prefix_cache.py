@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, TypeGuard
 
+import numpy as np
 import torch
 
 from decode_worker.cache.handles import LoadHandle, MatchResult
 from decode_worker.cache.hicache import HierarchicalCache
-from decode_worker.cache.pool import KVPool, PageAllocator
+from decode_worker.cache.pool import KVPool, PageAllocator, PageIds, page_ids
 from decode_worker.cache.radix_tree import TOKEN_BYTES, Tokens, token_key
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 
 class PrefixCache(Protocol):
-    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth."""
+    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth.
+    L1 page ids come back as int64 numpy arrays and go in as any ``PageIds`` (``pool.page_ids``)."""
 
     @property
     def storage(self) -> StorageTier | None: ...
@@ -39,16 +41,15 @@ class PrefixCache(Protocol):
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle: ...
 
-    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens,
-                        pages: torch.Tensor) -> tuple[LoadHandle, torch.Tensor]: ...
+    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]: ...
 
-    def insert(self, tokens: Tokens, device_pages: torch.Tensor, *, backup: bool = False) -> int: ...
+    def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int: ...
 
     def release(self, handle: LoadHandle) -> None: ...
 
-    def alloc_device(self, n: int) -> torch.Tensor: ...
+    def alloc_device(self, n: int) -> np.ndarray: ...
 
-    def free_device(self, pages: torch.Tensor) -> None: ...
+    def free_device(self, pages: PageIds) -> None: ...
 
     def available_device_pages(self) -> int: ...
 
@@ -70,9 +71,9 @@ class PrefetchCache(PrefixCache, Protocol):
 
     def alloc_host(self, n: int) -> torch.Tensor | None: ...
 
-    def free_host(self, pages: torch.Tensor) -> None: ...
+    def free_host(self, pages: PageIds) -> None: ...
 
-    def insert_host(self, tokens: Tokens, host_pages: torch.Tensor, from_page: int) -> range: ...
+    def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range: ...
 
 
 def has_storage(cache: PrefixCache) -> TypeGuard[PrefetchCache]:
@@ -103,11 +104,10 @@ class NoPrefixReuse:
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
         return self.cache.load_back_and_lock(match, extra_pages)
 
-    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens,
-                        pages: torch.Tensor) -> tuple[LoadHandle, torch.Tensor]:
-        return handle, pages  # nothing is shared: the request keeps its pages
+    def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
+        return handle, page_ids(pages)  # nothing is shared: the request keeps its pages
 
-    def insert(self, tokens: Tokens, device_pages: torch.Tensor, *, backup: bool = False) -> int:
+    def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
         """Free the pages ``HierarchicalCache.insert`` would have taken (one per full page of ``tokens``)."""
         full = len(token_key(tokens)) // TOKEN_BYTES // self.cache.page_size
         self.cache.free_device(device_pages[:full])
@@ -116,10 +116,10 @@ class NoPrefixReuse:
     def release(self, handle: LoadHandle) -> None:
         self.cache.release(handle)
 
-    def alloc_device(self, n: int) -> torch.Tensor:
+    def alloc_device(self, n: int) -> np.ndarray:
         return self.cache.alloc_device(n)
 
-    def free_device(self, pages: torch.Tensor) -> None:
+    def free_device(self, pages: PageIds) -> None:
         self.cache.free_device(pages)
 
     def available_device_pages(self) -> int:

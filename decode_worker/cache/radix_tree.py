@@ -42,8 +42,8 @@ class TreeNode:
     key: Key  # this node's run of whole pages
     parent: TreeNode | None = None
     children: dict[Key, TreeNode] = field(default_factory=dict)
-    device_indices: torch.Tensor | None = None  # L1 page ids, int64, one per page
-    host_indices: torch.Tensor | None = None  # L2 page ids
+    device_indices: np.ndarray | None = None  # L1 page ids, int64, one per page (numpy: see ``pool.page_ids``)
+    host_indices: np.ndarray | None = None  # L2 page ids
     lock_ref: int = 0  # live users of this node or any descendant
     last_access: int = 0  # logical clock, for LRU
     hit_count: int = 0  # for LFU and write_through_selective
@@ -171,8 +171,8 @@ class RadixTree:
             node.hit_count += hit
             node = node.parent
 
-    def add_child(self, parent: TreeNode, key: Key, device_indices: torch.Tensor) -> TreeNode:
-        assert len(key) % self.page_bytes == 0 and len(key) // self.page_bytes == device_indices.numel()
+    def add_child(self, parent: TreeNode, key: Key, device_indices: np.ndarray) -> TreeNode:
+        assert len(key) % self.page_bytes == 0 and len(key) // self.page_bytes == len(device_indices)
         self.clock += 1
         node = TreeNode(key=key, parent=parent, last_access=self.clock)
         parent.children[key[: self.page_bytes]] = node
@@ -209,7 +209,7 @@ class RadixTree:
         self.version += 1
         return head
 
-    def cut_device_tail(self, node: TreeNode, keep: int) -> torch.Tensor | None:
+    def cut_device_tail(self, node: TreeNode, keep: int) -> np.ndarray | None:
         """Take the L1 pages of ``node`` past its first ``keep`` off it, in place, and return them: what splitting
         off the tail and dropping it does, without a new node. Only for an unlocked leaf held on L1 alone with no
         copy on it and no KV-event listener (which expects whole nodes); None (nothing changed) otherwise."""
@@ -222,7 +222,7 @@ class RadixTree:
         node.device_indices = pages[:keep]
         if node.hashes is not None:
             node.hashes = node.hashes[:keep]
-        self.device_pages -= pages.shape[0] - keep
+        self.device_pages -= len(pages) - keep
         self.version += 1
         if node.parent is not None:  # still an unlocked L1 leaf (checked above), unless detached
             self.device_leaves.add(node)
@@ -242,14 +242,14 @@ class RadixTree:
 
     # -- tiers ------------------------------------------------------------------------------------------------
 
-    def set_device(self, node: TreeNode, pages: torch.Tensor) -> None:
+    def set_device(self, node: TreeNode, pages: np.ndarray) -> None:
         assert node.device_indices is None
         self._count_host(node, -1)
         node.device_indices = pages
         self._count_host(node, +1)
-        self.device_pages += pages.numel()
+        self.device_pages += len(pages)
         if node.lock_ref:
-            self.locked_device_pages += pages.numel()
+            self.locked_device_pages += len(pages)
         self.version += 1
         self._file(self.device_leaves, node, self.device_evictable(node))
         self.host_leaves.members.discard(node)
@@ -257,7 +257,7 @@ class RadixTree:
         if self.events is not None:
             self.events.stored(node, MEDIUM_GPU)
 
-    def clear_device(self, node: TreeNode) -> torch.Tensor:
+    def clear_device(self, node: TreeNode) -> np.ndarray:
         if self.events is not None:
             self.events.removed(node, MEDIUM_GPU)
         pages = node.device_indices
@@ -267,16 +267,16 @@ class RadixTree:
             self._count_host(node, -1)
             node.device_indices = None
             self._count_host(node, +1)
-        self.device_pages -= pages.shape[0]
+        self.device_pages -= len(pages)
         if node.lock_ref:
-            self.locked_device_pages -= pages.shape[0]
+            self.locked_device_pages -= len(pages)
         self.version += 1
         self.device_leaves.members.discard(node)
         self._file(self.host_leaves, node, self.host_evictable(node))
         self._file(self.device_leaves, node.parent, self.device_evictable(node.parent))
         return pages
 
-    def set_host(self, node: TreeNode, pages: torch.Tensor) -> None:
+    def set_host(self, node: TreeNode, pages: np.ndarray) -> None:
         assert node.host_indices is None
         node.host_indices = pages
         self._count_host(node, +1)
@@ -286,7 +286,7 @@ class RadixTree:
         if self.events is not None:
             self.events.stored(node, MEDIUM_CPU)
 
-    def clear_host(self, node: TreeNode) -> torch.Tensor:
+    def clear_host(self, node: TreeNode) -> np.ndarray:
         if self.events is not None:
             self.events.removed(node, MEDIUM_CPU)
         self._count_host(node, -1)
@@ -307,7 +307,7 @@ class RadixTree:
                     self._count_host(node, -1, lock_ref=0)
                     self._count_host(node, +1)
                 if node.device_indices is not None:
-                    self.locked_device_pages += node.device_indices.numel()
+                    self.locked_device_pages += len(node.device_indices)
                 self.device_leaves.members.discard(node)
                 self.host_leaves.members.discard(node)
             node = node.parent
@@ -322,7 +322,7 @@ class RadixTree:
                     self._count_host(node, -1, lock_ref=1)
                     self._count_host(node, +1)
                 if node.device_indices is not None:
-                    self.locked_device_pages -= node.device_indices.numel()
+                    self.locked_device_pages -= len(node.device_indices)
                 self.refresh(node)
             node = node.parent
 
@@ -333,7 +333,7 @@ class RadixTree:
         the sums (head and tail share the state)."""
         if node.host_indices is None:
             return
-        k = sign * node.host_indices.numel()
+        k = sign * len(node.host_indices)
         if node.lock_ref if lock_ref is None else lock_ref:
             self.locked_host_pages += k
         elif node.device_indices is None:

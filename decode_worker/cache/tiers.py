@@ -15,11 +15,12 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.handles import NO_PAGES, cat_pages
-from decode_worker.cache.pool import OutOfPages, PageAllocator
+from decode_worker.cache.pool import OutOfPages, PageAllocator, PageIds
 from decode_worker.cache.radix_tree import RadixTree, TreeNode
 from decode_worker.cache.stats import CacheCounters
 
@@ -34,7 +35,8 @@ class PendingCopy:
     nodes: list[TreeNode]  # nodes whose data it writes, in path order; kept current across splits
     locked: list[TreeNode]  # nodes it holds a lock on
     deps: list[PendingCopy] = field(default_factory=list)  # earlier copies it fails with (reads or loads below)
-    drain: torch.Tensor = NO_PAGES  # L1 pages to free once done (write_back eviction, a load undone early)
+    # L1 pages to free once done (write_back eviction, a load undone early)
+    drain: np.ndarray = field(default_factory=NO_PAGES.copy)
     future: Future | None = None
     ok: bool | None = None  # set when finished
 
@@ -53,12 +55,12 @@ class TierMixin:
 
     # -- L1 pages ---------------------------------------------------------------------------------------------------
 
-    def alloc_device(self, n: int) -> torch.Tensor:
+    def alloc_device(self, n: int) -> np.ndarray:
         """``n`` L1 pages, evicting unlocked leaves in one batch if needed; raises OutOfPages taking nothing."""
         self.poll()  # finished copies unlock nodes and return drained pages
         return self._alloc_device(n)
 
-    def _alloc_device(self, n: int) -> torch.Tensor:
+    def _alloc_device(self, n: int) -> np.ndarray:
         short = n - self.device_alloc.num_free - self._draining
         if short > 0:
             self.evict_device(short)
@@ -69,7 +71,7 @@ class TierMixin:
             )
         return self.device_alloc.alloc(n)
 
-    def free_device(self, pages: torch.Tensor) -> None:
+    def free_device(self, pages: PageIds) -> None:
         """Return request-owned L1 pages that were never inserted (e.g. a partial last page)."""
         self.device_alloc.free(pages)
 
@@ -94,7 +96,7 @@ class TierMixin:
 
     # -- L2 pages and the copies ------------------------------------------------------------------------------------
 
-    def _alloc_host(self, n: int) -> torch.Tensor | None:
+    def _alloc_host(self, n: int) -> np.ndarray | None:
         """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises: a
         write_back eviction batch calls it between marking victims and queueing their demotion."""
         if self.host_alloc is None:
@@ -124,10 +126,11 @@ class TierMixin:
             offset += k
             node.saving = op
             self.tree.lock(node)
-        op.future = self.engine.backup(cat_pages([n.device_indices for n in nodes]), host)
+        op.future = self.engine.backup(torch.from_numpy(cat_pages([n.device_indices for n in nodes])),
+                                       torch.from_numpy(host))
         self._pending.append(op)
 
-    def _start_load(self, nodes: list[TreeNode], device_pages: torch.Tensor) -> None:
+    def _start_load(self, nodes: list[TreeNode], device_pages: np.ndarray) -> None:
         """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued.
 
         It fails with the copies it reads from (backups still writing its L2 pages) and with earlier loads of
@@ -140,7 +143,8 @@ class TierMixin:
                 deps[node.loading] = None
             node = node.parent
         op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=list(deps))
-        op.future = self.engine.load(cat_pages([n.host_indices for n in nodes]), device_pages)
+        op.future = self.engine.load(torch.from_numpy(cat_pages([n.host_indices for n in nodes])),
+                                     torch.from_numpy(device_pages))
         offset = 0
         for node in nodes:
             n = self.tree.num_pages(node)
@@ -206,9 +210,9 @@ class TierMixin:
             self._undo_loads_below(op.nodes[0])
         if op.kind == "backup" and ok:
             self._store_backed_up(op.nodes)
-        if op.drain.numel():
+        if len(op.drain):
             self.device_alloc.free(op.drain)
-            self._draining -= op.drain.numel()
+            self._draining -= len(op.drain)
         op.ok = ok
         for node in op.locked:
             tree.unlock(node)
@@ -226,5 +230,5 @@ class TierMixin:
             if op is not None:
                 op.nodes.remove(n)
                 n.loading = None
-                op.drain = torch.cat([op.drain, self.tree.clear_device(n)])
+                op.drain = np.concatenate((op.drain, self.tree.clear_device(n)))
                 self._draining += self.tree.num_pages(n)

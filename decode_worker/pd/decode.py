@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
-import torch
+import numpy as np
 
 from decode_worker.cache.handles import NO_PAGES
 from decode_worker.config import ServerConfig
@@ -101,7 +101,7 @@ class DeltaKVFetcher:
         """The request left before admission: stop its handshake, and free prefill's pages if it had answered."""
         self._forget_room(req.rid)
 
-    async def receive(self, req: Req, delta_pages: torch.Tensor) -> tuple[int, float]:
+    async def receive(self, req: Req, delta_pages: np.ndarray) -> tuple[int, float]:
         """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
         room = self._rooms.get(req.rid) or self._start(req)
         try:
@@ -141,7 +141,7 @@ class DeltaKVFetcher:
         and a page handed to another request would then get this prompt's KV. Leaked, and logged, on purpose."""
         leaked, req.handle.delta_pages = req.handle.delta_pages, NO_PAGES
         log.error("request %s: %d KV pages are kept out of use for good (a read into them could not be stopped)",
-                  req.rid, leaked.numel())
+                  req.rid, len(leaked))
 
     def _start(self, req: Req) -> _Room:
         boot = req.inp.bootstrap

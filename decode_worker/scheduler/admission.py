@@ -98,7 +98,7 @@ class Admission:
             req.handle = self.cache.load_back_and_lock(match, extra_pages=delta)
         except OutOfPages:
             return False
-        req.prefix_pages = req.handle.device_indices.numel()
+        req.prefix_pages = len(req.handle.device_indices)
         if not seq.output_ids:  # report only the first admission, not a resumption
             self._count_hits(req)
         req.transfer = KVTransfer(time.monotonic())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from decode_worker.cache.hicache import LoadHandle
 from decode_worker.cache.prefix_cache import PrefixCache
@@ -67,9 +67,9 @@ class Req:
         seq = self.seq
         if seq.num_computed // page_size <= self.prefix_pages:
             return
-        pages = torch.tensor(seq.pages, dtype=torch.int64)
+        pages = np.array(seq.pages, dtype=np.int64)
         self.handle, pages = cache.cache_in_flight(self.handle, seq.key(seq.num_computed), pages)
-        self.prefix_pages, seq.pages = self.handle.device_indices.numel(), pages.tolist()
+        self.prefix_pages, seq.pages = len(self.handle.device_indices), pages.tolist()
 
     def release(self, cache: PrefixCache, page_size: int, *, insert: bool = True, backup: bool = False) -> None:
         """Give back everything the request holds; its fully computed pages go into the tree (``insert``), backed
@@ -78,7 +78,7 @@ class Req:
             return
         seq = self.seq
         if seq.pages:
-            pages = torch.tensor(seq.pages, dtype=torch.int64)
+            pages = np.array(seq.pages, dtype=np.int64)
             owned_from = self.prefix_pages
             if insert:
                 full = min(seq.num_computed, seq.num_tokens) // page_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 if TYPE_CHECKING:
     from decode_worker.scheduler.req import Req
@@ -32,7 +32,7 @@ class PromptSource(Protocol):
         failed). Until then the best_effort prefetch policy lets the prefetch land."""
         ...
 
-    def receive(self, req: Req, delta_pages: torch.Tensor) -> Coroutine[Any, Any, tuple[int, float]]:
+    def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:
         """Receive the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first
         token and its logprob, or raises RequestError. Called once per request that ``receives``."""
         ...
@@ -65,7 +65,7 @@ class Colocated:
     def forget(self, req: Req) -> None:
         pass
 
-    def receive(self, req: Req, delta_pages: torch.Tensor) -> Coroutine[Any, Any, tuple[int, float]]:
+    def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:
         raise TypeError("a colocated scheduler receives no prompt KV (receives() is always False)")
 
     def hold(self, req: Req) -> bool:

@@ -6,6 +6,7 @@ import struct
 import threading
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,14 +67,14 @@ def page_value(prefix: tuple[int, ...]) -> torch.Tensor:
     return (pid * 64 + torch.arange(PS * 16, dtype=torch.float32)).view(PAGE_SHAPE)
 
 
-def write_kv(pool: KVPool, tokens, pages: torch.Tensor, first_page: int = 0) -> None:
+def write_kv(pool: KVPool, tokens, pages: np.ndarray, first_page: int = 0) -> None:
     """Stand-in for a forward pass: the request writes its KV into its pages."""
-    for j in range(first_page, min(pages.numel(), -(-len(tokens) // PS))):
+    for j in range(first_page, min(len(pages), -(-len(tokens) // PS))):
         if (j + 1) * PS <= len(tokens):
             pool.buffer[:, :, pages[j]] = page_value(tuple(tokens[: (j + 1) * PS]))
 
 
-def assert_kv(pool: KVPool, tokens, pages: torch.Tensor) -> None:
+def assert_kv(pool: KVPool, tokens, pages: np.ndarray) -> None:
     for j, page in enumerate(pages.tolist()):
         assert torch.equal(pool.buffer[:, :, page], page_value(tuple(tokens[: (j + 1) * PS]))), f"page {j}"
 
@@ -82,7 +83,7 @@ def start(cache: HierarchicalCache, tokens):
     m = cache.match(tokens)
     total = -(-len(tokens) // PS)
     h = cache.load_back_and_lock(m, extra_pages=total - m.hit_tokens // PS)
-    assert h.prefix_tokens == m.hit_tokens and h.prefix_tokens // PS + h.delta_pages.numel() == total
+    assert h.prefix_tokens == m.hit_tokens and h.prefix_tokens // PS + len(h.delta_pages) == total
     return h
 
 
@@ -148,7 +149,7 @@ def test_prefix_hit_then_transfer_failure(hc):
     cache, dev, _ = hc()
     run(cache, dev, PROMPT)
     h = start(cache, PROMPT + (7, 7, 7, 7))
-    assert h.prefix_tokens == 10 and h.delta_pages.numel() == 2
+    assert h.prefix_tokens == 10 and len(h.delta_pages) == 2
     asyncio.run(h.wait())
     cache.release(h)  # the delta never arrived: nothing of it is inserted
     assert cache.match(PROMPT + (7, 7, 7, 7)).hit_tokens == 10
@@ -204,7 +205,7 @@ def test_retracted_request_resumed(hc):
     pages = h.take_pages()
     write_kv(dev, tokens, pages, first_page=h.prefix_tokens // PS)
     more = cache.alloc_device(1)  # decoding grew the request into a new page
-    tokens, pages = tokens + (23, 24), torch.cat([pages, more])
+    tokens, pages = tokens + (23, 24), np.concatenate([pages, more])
     write_kv(dev, tokens, pages)
     # retract: the tree keeps its full pages, backed up to L2 now, and the request lets go of the rest
     cache.insert(tokens, pages, backup=True)
@@ -272,7 +273,7 @@ def test_split_keeps_total_size_and_page_alignment(hc):
     assert sum(n.num_tokens for n in cache.tree.nodes()) == len(pages_cached) * PS == cache.tree.device_pages * PS
     for q in seqs + [PROMPT[:7], PROMPT[:3] + (1,), (0,), PROMPT[:6] + (1, 1, 1)]:
         m = cache.match(q)
-        assert m.hit_tokens % PS == 0 and m.device_indices.numel() * PS == m.device_hit_tokens
+        assert m.hit_tokens % PS == 0 and len(m.device_indices) * PS == m.device_hit_tokens
         assert m.hit_tokens == max(p for p in range(0, len(q) + 1, PS) if p == 0 or q[:p] in pages_cached)
         assert_kv(dev, q, m.device_indices)
 
@@ -309,6 +310,23 @@ def test_tokens_as_tensor(hc):
     assert cache.match(torch.tensor(PROMPT)).hit_tokens == 10
 
 
+@pytest.mark.parametrize("as_ids", [torch.tensor, list])
+def test_pages_handed_in_as_a_tensor_or_a_list_are_kept_as_numpy(hc, as_ids):
+    """Callers at the edges (the scheduler's page lists, torch code) may pass any ``PageIds``; the tree keeps
+    int64 numpy arrays (``check_invariants`` checks the type), and its pages go on to the copy engine."""
+    cache, dev, host = hc(device_pages=20)
+    h = start(cache, PROMPT + (1,))
+    pages = computed(cache, dev, PROMPT + (1,), h)
+    h, mine = cache.cache_in_flight(h, PROMPT[:4], as_ids(pages.tolist()))
+    assert cache.insert(PROMPT + (1,), as_ids(mine.tolist())) == 4
+    cache.free_device(as_ids(mine[5:].tolist()))
+    cache.release(h)
+    assert_quiescent(cache)
+    assert_kv(dev, PROMPT, cache.match(PROMPT).device_indices)
+    path = cache.tree.match(token_key(PROMPT))[0]  # and the write_through backups copied them to L2
+    assert_kv(host, PROMPT, np.concatenate([n.host_indices for n in path]))
+
+
 def test_insert_frees_duplicates_and_keeps_partial_page_with_caller(hc):
     cache, dev, _ = hc(device_pages=20)
     run(cache, dev, PROMPT)
@@ -338,7 +356,7 @@ def test_insert_stops_at_a_node_still_loading(hc):
 # -- caching a running request's pages ---------------------------------------------------------------------------
 
 
-def computed(cache: HierarchicalCache, dev: KVPool, tokens, h) -> torch.Tensor:
+def computed(cache: HierarchicalCache, dev: KVPool, tokens, h) -> np.ndarray:
     """A running request after its forward pass: load-back done, its pages taken and written."""
     asyncio.run(h.wait())
     pages = h.take_pages()
@@ -346,9 +364,9 @@ def computed(cache: HierarchicalCache, dev: KVPool, tokens, h) -> torch.Tensor:
     return pages
 
 
-def finish_in_flight(cache: HierarchicalCache, tokens, h, pages: torch.Tensor) -> None:
+def finish_in_flight(cache: HierarchicalCache, tokens, h, pages: np.ndarray) -> None:
     cache.insert(tokens, pages)
-    cache.free_device(pages[max(len(tokens) // PS, h.device_indices.numel()) :])
+    cache.free_device(pages[max(len(tokens) // PS, len(h.device_indices)) :])
     cache.release(h)
 
 
@@ -359,7 +377,7 @@ def test_cache_in_flight_shares_a_new_prefix(hc):
     pages = computed(cache, dev, tokens, h)
     h2, mine = cache.cache_in_flight(h, tokens, pages)
     cache.drain()  # the write_through backup's lock
-    assert h.released and torch.equal(mine, pages) and h2.prefix_tokens == 10
+    assert h.released and np.array_equal(mine, pages) and h2.prefix_tokens == 10
     assert node_of(cache, tokens).lock_ref == 1
     check_invariants(cache, request_pages=1)  # the partial last page
     assert cache.match(PROMPT + (9,)).device_hit_tokens == 10  # a concurrent request hits it now
@@ -381,7 +399,7 @@ def test_cache_in_flight_adopts_the_tree_pages_of_a_prefix_another_request_cache
     b, b_mine = cache.cache_in_flight(b, b_tokens, b_pages)
     cache.drain()
     assert cache.device_alloc.num_free == free + 5  # b's copy of the prompt went back
-    assert torch.equal(b_mine[:5], a_pages) and torch.equal(b_mine[5:], b_pages[5:])
+    assert np.array_equal(b_mine[:5], a_pages) and np.array_equal(b_mine[5:], b_pages[5:])
     assert b.prefix_tokens == 12 and node_of(cache, PROMPT).lock_ref == 2
     assert_kv(dev, b_tokens, b_mine[:6])
     check_invariants(cache, request_pages=1)
@@ -396,11 +414,11 @@ def test_cache_in_flight_revives_a_host_only_node(hc):
     h = start(cache, tokens)  # admitted before the prompt was cached
     only_on_host(cache, dev, PROMPT)
     node = node_of(cache, PROMPT)
-    host = node.host_indices.clone()
+    host = node.host_indices.copy()
     pages = computed(cache, dev, tokens, h)
     h, mine = cache.cache_in_flight(h, tokens, pages)
-    assert torch.equal(mine, pages) and torch.equal(node.device_indices, pages[:5])
-    assert torch.equal(node.host_indices, host) and node.lock_ref == 1
+    assert np.array_equal(mine, pages) and np.array_equal(node.device_indices, pages[:5])
+    assert np.array_equal(node.host_indices, host) and node.lock_ref == 1
     check_invariants(cache, request_pages=1)
     finish_in_flight(cache, tokens, h, mine)
     assert_quiescent(cache)
@@ -418,16 +436,16 @@ def test_cache_in_flight_keeps_the_pages_past_a_load_back_in_flight(hc):
     cache.engine.gate.clear()
     other = start(cache, PROMPT + (4,))  # restores PROMPT[4:]
     h, mine = cache.cache_in_flight(h, tokens, pages)
-    assert h.prefix_tokens == 4 and torch.equal(mine[2:], pages[2:])  # past the loading node: still the request's
-    assert torch.equal(mine[:2], node_of(cache, PROMPT[:4]).device_indices)
-    check_invariants(cache, request_pages=4 + other.delta_pages.numel())
+    assert h.prefix_tokens == 4 and np.array_equal(mine[2:], pages[2:])  # past the loading node: still the request's
+    assert np.array_equal(mine[:2], node_of(cache, PROMPT[:4]).device_indices)
+    check_invariants(cache, request_pages=4 + len(other.delta_pages))
     assert_kv(dev, tokens, mine[:5])
     cache.engine.gate.set()
     asyncio.run(other.wait())
     assert_kv(dev, tokens, mine[:5])
     finish(cache, dev, PROMPT + (4,), other)
     h, mine = cache.cache_in_flight(h, tokens, mine)  # the load-back landed: now the rest joins
-    assert h.prefix_tokens == 10 and torch.equal(mine[2:5], node_of(cache, PROMPT).device_indices)
+    assert h.prefix_tokens == 10 and np.array_equal(mine[2:5], node_of(cache, PROMPT).device_indices)
     check_invariants(cache, request_pages=1)
     finish_in_flight(cache, tokens, h, mine)
     assert_quiescent(cache)
@@ -512,14 +530,14 @@ def test_eviction_tiers(hc):
 def test_reinserting_an_evicted_node_keeps_its_host_copy(hc):
     cache, dev, host = hc()
     only_on_host(cache, dev, PROMPT)
-    old_host = node_of(cache, PROMPT).host_indices.clone()
+    old_host = node_of(cache, PROMPT).host_indices.copy()
     backed = cache.counters.backed_up
     pages = cache.alloc_device(5)
     write_kv(dev, PROMPT, pages)
     assert cache.insert(PROMPT, pages) == 0
     cache.drain()
     node = node_of(cache, PROMPT)
-    assert node.on_device and torch.equal(node.host_indices, old_host) and cache.counters.backed_up == backed
+    assert node.on_device and np.array_equal(node.host_indices, old_host) and cache.counters.backed_up == backed
     assert_quiescent(cache)
 
 
@@ -532,7 +550,7 @@ def test_alloc_evicts_in_one_batch(hc, monkeypatch):
     real = cache.evict_device
     monkeypatch.setattr(cache, "evict_device", lambda n: calls.append(n) or real(n))
     pages = cache.alloc_device(7)
-    assert calls == [7 - 0] and pages.numel() == 7
+    assert calls == [7 - 0] and len(pages) == 7
     assert [cache.match((i, i, i, i)).device_hit_tokens for i in range(5)] == [0, 0, 0, 0, 4]  # LRU
     cache.free_device(pages)
     assert_quiescent(cache)
@@ -707,7 +725,7 @@ def test_make_host_pool_on_cpu_is_not_pinned():
 def test_allocator_hands_out_low_pages_first_and_reuses_the_last_freed_first():
     alloc = PageAllocator(8, reserved=1)
     assert alloc.alloc(3).tolist() == [1, 2, 3] and alloc.num_free == 4
-    alloc.free(torch.tensor([2, 3]))
+    alloc.free(np.array([2, 3]))
     assert alloc.alloc(2).tolist() == [2, 3] and alloc.alloc(4).tolist() == [4, 5, 6, 7]
     with pytest.raises(OutOfPages):
         alloc.alloc(1)
@@ -716,14 +734,15 @@ def test_allocator_hands_out_low_pages_first_and_reuses_the_last_freed_first():
 
 @pytest.mark.parametrize("bad", [[3, 3], [2, 4], [0], [-1], [8], [5, 3]], ids=[
     "twice-in-one-call", "one-already-free", "reserved", "negative", "past-the-pool", "freed-before"])
-def test_allocator_refuses_a_bad_free_and_frees_none_of_it(bad):
+@pytest.mark.parametrize("as_ids", [np.array, torch.tensor, list])  # the cache's arrays, and what edges pass
+def test_allocator_refuses_a_bad_free_and_frees_none_of_it(bad, as_ids):
     alloc = PageAllocator(8, reserved=1)
     alloc.alloc(7)  # every page: -1 must not pass as the last one
-    alloc.free(torch.tensor([4, 5]))
-    alloc.free(torch.empty(0, dtype=torch.int64))
+    alloc.free(as_ids([4, 5]))
+    alloc.free(as_ids([]))
     free = alloc.num_free
     with pytest.raises(RuntimeError, match="free|foreign"):
-        alloc.free(torch.tensor(bad))
+        alloc.free(as_ids(bad))
     assert alloc.num_free == free
     check_allocator(alloc)
     alloc.free(torch.tensor([3, 1]))  # the good pages of the refused batch are still in use

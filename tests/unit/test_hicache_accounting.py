@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-import torch
+import numpy as np
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
@@ -41,7 +41,7 @@ def test_backup_of_three_nodes_puts_each_in_its_own_pages(hc):
     cache.drain()
     path = cache.tree.match(cache.match(C).key)[0]
     assert len(path) == 3 and all(n.on_host for n in path)
-    assert_kv(host, C, torch.cat([n.host_indices for n in path]))
+    assert_kv(host, C, np.concatenate([n.host_indices for n in path]))
     assert_quiescent(cache)
 
 

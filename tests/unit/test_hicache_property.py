@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
@@ -127,15 +128,15 @@ class ManualEngine(CopyEngine):
 class Req:
     tokens: tuple[int, ...]
     handle: LoadHandle
-    pages: torch.Tensor | None = None  # after take_pages: the handle's prefix pages, then the request's own
-    grown: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # decode's pages
+    pages: np.ndarray | None = None  # after take_pages: the handle's prefix pages, then the request's own
+    grown: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # decode's pages
 
     @property
     def owned(self) -> int:
         """L1 pages the request holds outside the tree."""
         if self.pages is None:
-            return self.handle.delta_pages.numel() + self.grown.numel()
-        return self.pages.numel() - self.handle.device_indices.numel() + self.grown.numel()
+            return len(self.handle.delta_pages) + len(self.grown)
+        return len(self.pages) - len(self.handle.device_indices) + len(self.grown)
 
     def waits_ok(self) -> bool:
         """No copy its prefix depends on has failed (a failed one takes the prefix off L1 until it retries)."""
@@ -250,11 +251,11 @@ class CacheMachine(RuleBasedStateMachine):
 
         return evict_and_note
 
-    def recording(self, alloc: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    def recording(self, alloc: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
         """The L2 allocator, noting what it hands out: a page allocated, written and freed again within one step
         (a composite rule) is no stray write."""
 
-        def alloc_and_note(n: int) -> torch.Tensor:
+        def alloc_and_note(n: int) -> np.ndarray:
             pages = alloc(n)
             self.l2_handed_out.update(pages.tolist())
             return pages
@@ -313,13 +314,13 @@ class CacheMachine(RuleBasedStateMachine):
                         t.dev.add(p)
                         if child.loading is None:
                             page = int(child.device_indices[j])
-                            assert torch.equal(self.dev.buffer[:, :, page], page_value(p)), f"L1 data of {p}"
+                            assert torch.equal(self.dev.buffer[page], page_value(p)), f"L1 data of {p}"
                     if child.on_host:
                         t.host.add(p)
                         page = int(child.host_indices[j])
                         t.host_pages.add(page)
                         if child.saving is None:
-                            assert torch.equal(self.host.buffer[:, :, page], page_value(p)), f"L2 data of {p}"
+                            assert torch.equal(self.host.buffer[page], page_value(p)), f"L2 data of {p}"
                     if not (child.on_device or child.on_host):
                         t.gap.add(p)
                 stack.append((child, prefix + tokens))
@@ -368,8 +369,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.hit("start_out_of_pages")
             self.adopt()
             return None
-        assert h.prefix_tokens % PS == 0 and h.prefix_tokens // PS + h.delta_pages.numel() == total, (
-            f"{h.prefix_tokens}-token prefix and {h.delta_pages.numel()} pages for a {total}-page request"
+        assert h.prefix_tokens % PS == 0 and h.prefix_tokens // PS + len(h.delta_pages) == total, (
+            f"{h.prefix_tokens}-token prefix and {len(h.delta_pages)} pages for a {total}-page request"
         )
         self.reqs.append(Req(tokens, h))
         self.adopt(on_device=page_prefixes(tokens, h.prefix_tokens))
@@ -384,7 +385,7 @@ class CacheMachine(RuleBasedStateMachine):
     def start_tokens(self, tokens: tuple[int, ...]) -> Req | None:
         m = self.cache.match(tokens)
         assert (m.device_hit_tokens, m.host_hit_tokens) == self.expected_match(tokens)
-        assert m.device_indices.numel() * PS == m.device_hit_tokens
+        assert len(m.device_indices) * PS == m.device_hit_tokens
         r = self.lock(tokens, m)
         if r is not None:
             assert r.handle.prefix_tokens == m.hit_tokens and r.handle.restored_tokens == m.host_hit_tokens
@@ -433,15 +434,15 @@ class CacheMachine(RuleBasedStateMachine):
             self.adopt()
             return None
         for j, page in enumerate(r.handle.device_indices.tolist()):
-            assert torch.equal(self.dev.buffer[:, :, page], page_value(r.tokens[: (j + 1) * PS])), "loaded KV"
+            assert torch.equal(self.dev.buffer[page], page_value(r.tokens[: (j + 1) * PS])), "loaded KV"
         return r
 
-    def _own(self, r: Req) -> torch.Tensor:
+    def _own(self, r: Req) -> np.ndarray:
         """The request's pages; on first use the "forward pass" writes the delta KV into them."""
         if r.pages is None:
             r.pages = r.handle.take_pages()
             for j in range(r.handle.prefix_tokens // PS, len(r.tokens) // PS):
-                self.dev.buffer[:, :, r.pages[j]] = page_value(r.tokens[: (j + 1) * PS])
+                self.dev.buffer[r.pages[j]] = page_value(r.tokens[: (j + 1) * PS])
         return r.pages
 
     def reach(self, tokens: tuple[int, ...]) -> tuple[int, bool]:
@@ -474,13 +475,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.hit("share_stops_at_loading")
         r.handle, new = self.cache.cache_in_flight(old, r.tokens[:computed], pages)
         r.pages = new
-        prefix = r.handle.device_indices.numel()
-        expect = max(old.device_indices.numel(), stop // PS)
-        assert prefix == expect and new.numel() == pages.numel()
-        assert torch.equal(new[:prefix], r.handle.device_indices) and torch.equal(new[prefix:], pages[prefix:])
-        assert (r.handle is old) == (prefix == old.device_indices.numel())
+        prefix = len(r.handle.device_indices)
+        expect = max(len(old.device_indices), stop // PS)
+        assert prefix == expect and len(new) == len(pages)
+        assert np.array_equal(new[:prefix], r.handle.device_indices) and np.array_equal(new[prefix:], pages[prefix:])
+        assert (r.handle is old) == (prefix == len(old.device_indices))
         for j, page in enumerate(new[: len(r.tokens) // PS].tolist()):
-            assert torch.equal(self.dev.buffer[:, :, page], page_value(r.tokens[: (j + 1) * PS])), f"KV of page {j}"
+            assert torch.equal(self.dev.buffer[page], page_value(r.tokens[: (j + 1) * PS])), f"KV of page {j}"
         self.adopt(on_device=page_prefixes(r.tokens, prefix * PS))
 
     @precondition(lambda self: self.reqs)
@@ -507,7 +508,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cached % PS == 0 and cached <= n_full * PS
         if self.host is not None and (backup or self.cache.write_policy == "write_through"):
             self.check_backup_room(tokens, before)
-        self.cache.free_device(torch.cat([pages[n_full:], r.grown]))
+        self.cache.free_device(np.concatenate([pages[n_full:], r.grown]))
         self.call(self.cache.release, h)
         self.adopt(on_device=page_prefixes(tokens, grafted))
         if resume:
@@ -589,7 +590,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _abort(self, r: Req) -> None:
         if r.pages is not None:
-            self.cache.free_device(r.pages[r.handle.device_indices.numel() :])
+            self.cache.free_device(r.pages[len(r.handle.device_indices) :])
         self.cache.free_device(r.grown)
         self.call(self.cache.release, r.handle)
 
@@ -609,7 +610,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         tree_pages = {int(p) for node in self.cache.tree.nodes() if node.on_device for p in node.device_indices}
         assert not set(pages.tolist()) & tree_pages, "alloc_device handed out pages the tree holds"
-        r.grown = torch.cat([r.grown, pages])
+        r.grown = np.concatenate([r.grown, pages])
         self.adopt()
 
     # -- tiers and copies ---------------------------------------------------------------------------------------
@@ -654,7 +655,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def copy_kind(self, copy: Copy) -> str:
         op = self.pending_op(copy)
-        return "load" if op.kind == "load" else "demotion" if op.drain.numel() else "backup"
+        return "load" if op.kind == "load" else "demotion" if len(op.drain) else "backup"
 
     def doom(self, copy: Copy) -> None:
         copy.fail = self.failed = True
@@ -703,7 +704,7 @@ class CacheMachine(RuleBasedStateMachine):
         pages = self.alloc_fill(len(tokens) // PS - from_page)
         if pages is not None:
             for j, page in enumerate(pages.tolist()):
-                self.host.buffer[:, :, page] = page_value(tokens[: (from_page + j + 1) * PS])
+                self.host.buffer[page] = page_value(tokens[: (from_page + j + 1) * PS])
             self.fills.append(Fill(tokens, from_page, pages))
         self.adopt()
 
@@ -719,7 +720,7 @@ class CacheMachine(RuleBasedStateMachine):
         arrived = self.stop_fill(fill)
         for j, page in enumerate(fill.pages[:arrived].tolist()):
             p = fill.tokens[: (fill.from_page + j + 1) * PS]
-            assert torch.equal(self.host.buffer[:, :, page], page_value(p)), f"L2 data of {p} before insert_host"
+            assert torch.equal(self.host.buffer[page], page_value(p)), f"L2 data of {p} before insert_host"
         if not (keep and arrived):
             self.cache.free_host(fill.pages)
             self.adopt()
@@ -776,7 +777,7 @@ class CacheMachine(RuleBasedStateMachine):
         kept = sorted((free & self.l2_snap_free) - self.l2_handed_out)
         if kept:  # one comparison over all of them: this runs every step
             idx = torch.tensor(kept)
-            same = (self.host.buffer.index_select(2, idx) == self.l2_snap.index_select(2, idx)).movedim(2, 0)
+            same = self.host.buffer.index_select(0, idx) == self.l2_snap.index_select(0, idx)
             written = [p for p, ok in zip(kept, same.reshape(len(kept), -1).all(1).tolist()) if not ok]
             assert not written, f"free L2 pages {written} were written"
         self.l2_snap, self.l2_snap_free = self.host.buffer.clone(), free

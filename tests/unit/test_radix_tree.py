@@ -6,8 +6,8 @@ import hashlib
 import random
 import struct
 
+import numpy as np
 import pytest
-import torch
 
 from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
 from tests.cache_invariants import check_evictable_leaves, key_tokens, prefix_key
@@ -15,8 +15,8 @@ from tests.cache_invariants import check_evictable_leaves, key_tokens, prefix_ke
 PS = 4
 
 
-def pages(*ids: int) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64)
+def pages(*ids: int) -> np.ndarray:
+    return np.array(ids, dtype=np.int64)
 
 
 def build(seqs: list[tuple[int, ...]], ps: int = PS) -> RadixTree:
@@ -34,7 +34,7 @@ def build(seqs: list[tuple[int, ...]], ps: int = PS) -> RadixTree:
             node, pos = child, pos + k
         if pos < n:
             pb = tree.page_bytes
-            tree.add_child(node, key[pos * pb : n * pb], torch.arange(next_page, next_page + n - pos))
+            tree.add_child(node, key[pos * pb : n * pb], np.arange(next_page, next_page + n - pos))
             next_page += n - pos
     return tree
 
@@ -72,7 +72,7 @@ def test_split_keeps_size_alignment_and_pages():
     nodes = list(tree.nodes())
     assert sorted(n.num_tokens for n in nodes) == [8, 8, 8]
     assert sum(n.num_tokens for n in nodes) == 24
-    assert all(n.num_tokens % PS == 0 and n.device_indices.numel() == n.num_tokens // PS for n in nodes)
+    assert all(n.num_tokens % PS == 0 and len(n.device_indices) == n.num_tokens // PS for n in nodes)
     (head,) = tree.root.children.values()
     assert head.device_indices.tolist() == [1, 2]  # the split kept a's first pages in the head
     assert sorted(c.device_indices.tolist() for c in head.children.values()) == [[3, 4], [5, 6]]
@@ -228,8 +228,8 @@ def test_cutting_a_leaf_s_l1_tail_in_place_keeps_its_head_filed():
     a, b = tuple(range(16)), tuple(range(4)) + (9,) * 8
     tree = build([a, b])
     leaf = match(tree, a)[0][-1]
-    assert torch.equal(tree.cut_device_tail(leaf, 2), pages(4)) and tree.device_pages == 5
-    assert key_tokens(leaf.key) == a[4:12] and torch.equal(leaf.device_indices, pages(2, 3))
+    assert np.array_equal(tree.cut_device_tail(leaf, 2), pages(4)) and tree.device_pages == 5
+    assert key_tokens(leaf.key) == a[4:12] and np.array_equal(leaf.device_indices, pages(2, 3))
     assert members(tree) == ({a[:12], b}, set())
     tree.lock(leaf)
     assert tree.cut_device_tail(leaf, 1) is None and tree.device_pages == 5  # locked: nothing changed
