@@ -4,7 +4,8 @@
 - ``replay_churn``: CUDA-graph decode replay after allocator churn against the eager step (max |diff|).
 - ``large_pool_copy``: the Triton page copy in a pool whose offsets pass 2^31 elements (exact or not).
 - ``attention``: paged decode attention GB/s (K/V bytes read / time) at batch 1/64 x context 2K/8K, Llama-8B
-  heads, bf16, against the GPU's peak bandwidth and a measured device copy.
+  heads, bf16, against the GPU's peak bandwidth and a measured device copy: the one-pass kernel and the split-KV
+  one side by side (with its split count, also at 32-token steps on 4 warps), and which the dispatcher picks.
 - ``l1_l2``: page load-back and backup GB/s between an L1 pool and its registered L2 pool, against a plain
   pinned copy and the PCIe link's nominal rate.
 - ``step_overhead``: per decode step at batch 64 (SmolLM2-shaped random model, CUDA graphs): host time to build
@@ -19,6 +20,7 @@ Usage: python bench/gpu_probe.py [--skip-tests]
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -80,8 +82,8 @@ def attention() -> dict:
 
 
 def attention_case(batch: int, ctx: int) -> dict:
-    """One decode attention call over ``batch`` requests of ``ctx`` tokens on scattered pages."""
-    from decode_worker_kernels import paged_decode_attention
+    """One decode attention call over ``batch`` requests of ``ctx`` tokens on scattered pages, by each kernel."""
+    from decode_worker_kernels import paged_attention, paged_attention_split
 
     pages = batch * ctx // PAGE
     k = torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -89,8 +91,16 @@ def attention_case(batch: int, ctx: int) -> dict:
     table = torch.randperm(pages, device="cuda").view(batch, ctx // PAGE)
     lens = torch.full((batch,), ctx, device="cuda")
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    s = timed(lambda: paged_decode_attention(q, k, v, table, lens, HEAD_DIM**-0.5))
-    return {"us": round(s * 1e6, 1), "gbs": round(2 * k.numel() * k.element_size() / s / GB, 1)}
+    args = (q, k, v, table, lens, HEAD_DIM**-0.5)
+    splits = paged_attention_split.choose_num_splits(batch, KV_HEADS, ctx, paged_attention_split.sm_count(q.device))
+    out: dict = {"num_splits": splits,
+                 "dispatch": "split" if paged_attention_split.split_pays(q, k, table) else "one_pass"}
+    split = paged_attention_split.paged_decode_attention_split
+    for name, fn in (("one_pass", paged_attention.paged_decode_attention_triton), ("split", split),
+                     ("split_bn32_w4", functools.partial(split, block_n=32, num_warps=4))):
+        s = timed(lambda fn=fn: fn(*args))
+        out[name] = {"us": round(s * 1e6, 1), "gbs": round(2 * k.numel() * k.element_size() / s / GB, 1)}
+    return out
 
 
 def large_pool_copy() -> dict:

@@ -17,6 +17,8 @@ try:
 except ImportError:  # CPU-only installs: the torch reference serves every call
     triton = None
 
+from .paged_attention_split import paged_decode_attention_split, split_pays
+
 _BLOCK_N = 32  # tokens per online-softmax step of the Triton kernel
 
 
@@ -146,7 +148,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``[B, num_q_heads, head_dim]`` attention output: Triton on CUDA when available, else the torch reference."""
+    """``[B, num_q_heads, head_dim]`` attention output: Triton on CUDA when available, else the torch reference.
+
+    On CUDA the split-KV kernel takes the calls where batch x kv heads leaves SMs idle and the page table holds
+    more than one split (see ``paged_attention_split.split_pays``).
+    """
     if triton is not None and q.is_cuda:
+        if split_pays(q, k_pages, page_table):
+            return paged_decode_attention_split(q, k_pages, v_pages, page_table, seq_lens, scale)
         return paged_decode_attention_triton(q, k_pages, v_pages, page_table, seq_lens, scale)
     return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, scale)

@@ -1,0 +1,235 @@
+"""Split-KV decode attention (``kernels/paged_attention_split.py``) against the torch reference.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 in one subprocess (the variable must be set before triton is
+imported) on small shapes cut into many short splits; running this file as a script prints each case's error as
+JSON, which is what that subprocess does. With a CUDA device the real sizes run in-process, with the dispatcher,
+a CUDA graph and a pool whose offsets pass 2^31 elements.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from decode_worker_kernels import paged_attention, paged_attention_split, paged_decode_attention
+from decode_worker_kernels.paged_attention_split import choose_num_splits, paged_decode_attention_split
+
+
+class Case(NamedTuple):
+    num_q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    seq_lens: list[int]
+    dtype: torch.dtype
+    num_splits: int | None
+    min_split_tokens: int = 16
+    block_n: int = 16
+
+
+# Per request the split length is max(min_split, cdiv(cdiv(len, splits), block_n) * block_n), so e.g. 100 tokens
+# in 3 splits are 48 + 48 + 4 and 33 tokens with min_split 32 are 32 + 1: lengths end mid-page and mid-split,
+# some requests use fewer splits than the grid has, and one split holds a single token.
+INTERPRETER_CASES = {
+    "g1-d64-ps1-fp32": Case(2, 2, 64, 1, [1, 5, 37, 64], torch.float32, 4),
+    "g3-d128-ps16-bf16": Case(6, 2, 128, 16, [1, 40, 100, 16], torch.bfloat16, 3),
+    "g7-d128-ps16-fp32": Case(7, 1, 128, 16, [33, 1, 130], torch.float32, 4, min_split_tokens=32),
+    "g8-d64-ps1-bf16": Case(16, 2, 64, 1, [2, 70, 31], torch.bfloat16, 5),
+    "g8-d128-ps16-bf16-one-split": Case(8, 1, 128, 16, [50, 1], torch.bfloat16, 1),
+    "g3-d64-ps16-fp32-default-blocks": Case(3, 1, 64, 16, [300, 600, 1], torch.float32, 3, 256, 64),
+}
+# Real geometries for a GPU: Llama-3-8B (group 4), Qwen2-7B (group 7), Llama-70B (group 8), SmolLM2 (group 3).
+GPU_CASES = {
+    f"{name}-{dtype_name}": Case(*geometry, [1, 255, 256, 257, 777, 2048, 4000, 8191], dtype, None, 256, 64)
+    for name, geometry in {"llama8b": (32, 8, 128, 16), "qwen7b": (28, 4, 128, 16), "llama70b": (64, 8, 128, 1),
+                           "smollm2": (9, 3, 64, 16)}.items()
+    for dtype_name, dtype in {"fp32": torch.float32, "bf16": torch.bfloat16}.items()
+}
+
+requires_triton = pytest.mark.skipif(paged_attention.triton is None, reason="triton is not importable")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUOBJDUMP = Path(paged_attention.triton.__file__).parent / "backends/nvidia/bin/cuobjdump" if paged_attention.triton \
+    else None  # ships with triton: reads a cubin's registers and stack without a GPU
+
+
+def make_inputs(case: Case, device: str = "cpu", index_dtype: torch.dtype = torch.int32, seed: int = 0) -> dict:
+    """Each request's pages scattered over a shuffled page-major pool ``[pages, layers, 2, slot, heads, dim]``;
+    K/V are layer 1's strided views. Table entries past a request's pages, and a spare column, point at random
+    pages, so only the length bounds (not zero-filled memory) can hide them. q is a strided view too. The table
+    and lengths share ``index_dtype``: the model's are int64, and int32 must work too."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // case.page_size) for n in case.seq_lens]
+    num_pages = sum(counts) + 3
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.randint(0, num_pages, (len(counts), max(counts) + 1), generator=gen)
+    used = 0
+    for b, count in enumerate(counts):
+        table[b, :count] = order[used:used + count]
+        used += count
+    shape = (num_pages, 2, 2, case.page_size, case.kv_heads, case.head_dim)
+    pool = torch.randn(shape, generator=gen).to(device, case.dtype)
+    q = torch.randn(len(counts), case.num_q_heads, 2 * case.head_dim, generator=gen).to(device, case.dtype)
+    return {
+        "q": q[..., ::2],
+        "k_pages": pool[:, 1, 0],
+        "v_pages": pool[:, 1, 1],
+        "page_table": table.to(device, index_dtype),
+        "seq_lens": torch.tensor(case.seq_lens, dtype=index_dtype, device=device),
+        "scale": case.head_dim ** -0.5,
+    }
+
+
+def reference(inputs: dict) -> torch.Tensor:
+    """The torch reference on float32 copies of the inputs: the bf16 cases then measure only the kernel's own
+    rounding, not the reference's."""
+    upcast = {k: v.float() if k in ("q", "k_pages", "v_pages") else v for k, v in inputs.items()}
+    return paged_attention.paged_decode_attention_reference(**upcast)
+
+
+def split_error(case: Case, device: str = "cpu", index_dtype: torch.dtype = torch.int32) -> float:
+    """Max |split - reference| over max(1, |reference|): bf16 rounds relative to the output's size."""
+    inputs = make_inputs(case, device, index_dtype)
+    got = paged_decode_attention_split(**inputs, num_splits=case.num_splits,
+                                       min_split_tokens=case.min_split_tokens, block_n=case.block_n)
+    assert got.dtype == case.dtype and got.shape == inputs["q"].shape
+    want = reference(inputs)
+    return ((got.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors() -> dict[str, float | str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@requires_triton
+@pytest.mark.parametrize("name", list(INTERPRETER_CASES))
+def test_split_kernel_matches_reference_in_interpreter(interpreter_errors, name: str):
+    error = interpreter_errors[name]
+    assert not isinstance(error, str), error
+    assert error <= tolerance(INTERPRETER_CASES[name].dtype), f"{name}: max error {error}"
+
+
+def test_split_count_fills_the_gpu_without_short_splits():
+    """132 SMs, 8 kv heads: batch 1 at 8K gets 33 programs per head-group; 2K stops at 256-token splits;
+    a batch that already fills the GPU, or a table of one split's capacity, is not cut."""
+    assert choose_num_splits(1, 8, 8192, 132) == 32
+    assert choose_num_splits(1, 8, 2048, 132) == 8
+    assert choose_num_splits(4, 8, 8192, 132) == 9
+    assert choose_num_splits(64, 8, 8192, 132) == 1
+    assert choose_num_splits(1, 8, 256, 132) == 1
+    assert choose_num_splits(1, 1, 1 << 20, 132) == paged_attention_split.MAX_SPLITS
+
+
+@requires_triton
+def test_split_kernel_refuses_blocks_that_do_not_tile_a_split():
+    inputs = make_inputs(INTERPRETER_CASES["g1-d64-ps1-fp32"])
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode_attention_split(**inputs, num_splits=2, min_split_tokens=24, block_n=16)
+
+
+def stage1_resources(group: int, head_dim: int, page_size: int, cubin: Path) -> dict[str, int]:
+    """Compile stage 1 as the wrapper launches it (bf16, int64 indices) for sm_90, which needs no GPU, and read
+    its registers and stack bytes from the cubin."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = paged_attention_split._split_stage1_kernel
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "PAGE_SIZE": page_size,
+              "MIN_SPLIT": paged_attention_split.MIN_SPLIT_TOKENS, "PRECISION": None, "DOT_DTYPE": tl.bfloat16,
+              "BLOCK_G": max(16, group), "BLOCK_D": head_dim, "BLOCK_N": paged_attention_split.BLOCK_N}
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i64", "lens_ptr": "*i64",
+                "part_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
+    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": paged_attention_split.NUM_WARPS,
+                                       "num_stages": paged_attention_split.NUM_STAGES})
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return {"registers": int(registers), "stack": int(stack)}
+
+
+@requires_triton
+@pytest.mark.skipif(CUOBJDUMP is None or not CUOBJDUMP.exists(), reason="triton without its CUDA tools")
+@pytest.mark.parametrize("group,page_size", [(7, 16), (8, 1)])
+def test_stage1_fits_hopper_registers_at_head_dim_128(group: int, page_size: int, tmp_path: Path):
+    """The one-pass kernel spills at GQA group 7-8, head_dim 128 (issue 18); the split kernel must not."""
+    usage = stage1_resources(group, 128, page_size, tmp_path / "stage1.cubin")
+    assert usage["stack"] == 0, usage
+
+
+@pytest.mark.gpu
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_split_kernel_matches_reference_on_gpu(name: str):
+    case = GPU_CASES[name]
+    error = split_error(case, "cuda", torch.int64)
+    assert error <= (1e-4 if case.dtype == torch.float32 else 2e-2), f"{name}: max error {error}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@requires_triton
+def test_dispatch_takes_split_kernel_at_batch_1_and_graph_replay_follows_new_lengths():
+    """Batch 1 over a long table goes to the split kernel; captured in a CUDA graph, it follows seq_lens
+    rewritten in place (no host sync baked a length into the graph)."""
+    inputs = make_inputs(Case(32, 8, 128, 16, [5000], torch.bfloat16, None), "cuda", torch.int64)
+    assert paged_attention_split.split_pays(inputs["q"], inputs["k_pages"], inputs["page_table"])
+    torch.testing.assert_close(paged_decode_attention(**inputs).float(), reference(inputs), atol=2e-2, rtol=0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        paged_decode_attention(**inputs)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = paged_decode_attention(**inputs)
+    for length in (1, 300, 5000):
+        inputs["seq_lens"].fill_(length)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), reference(inputs), atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@requires_triton
+def test_split_kernel_reads_pages_past_2_31_elements():
+    """Pages 2^30 bf16 elements apart (a stride Triton passes as int32): page 3's offsets pass 2^31."""
+    page_size, head_dim, stride = 16, 128, 1 << 30
+    buffer = torch.randn(3 * stride + 2 * page_size * head_dim, dtype=torch.bfloat16, device="cuda")
+    shape, strides = (4, page_size, 1, head_dim), (stride, head_dim, head_dim, 1)
+    k_pages = buffer.as_strided(shape, strides)
+    v_pages = buffer.as_strided(shape, strides, storage_offset=page_size * head_dim)
+    q = torch.randn(1, 8, head_dim, dtype=torch.bfloat16, device="cuda")
+    inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "scale": head_dim ** -0.5,
+              "page_table": torch.tensor([[3, 1, 2, 0]], device="cuda"),
+              "seq_lens": torch.tensor([60], dtype=torch.int32, device="cuda")}
+    got = paged_decode_attention_split(**inputs, num_splits=4, min_split_tokens=16, block_n=16)
+    torch.testing.assert_close(got.float(), reference(inputs), atol=2e-2, rtol=0)
+
+
+if __name__ == "__main__":
+    errors: dict[str, float | str] = {}
+    for i, (name, case) in enumerate(INTERPRETER_CASES.items()):
+        try:
+            errors[name] = split_error(case, index_dtype=torch.int64 if i % 2 else torch.int32)
+        except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(errors))
