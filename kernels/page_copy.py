@@ -1,8 +1,9 @@
 """Whole-page moves between paged KV buffers: L1<->L2 load-back and backup, and the contiguous staging blob
-``[layer, 2, n, page_size, kv_heads, head_dim]`` that the UCX transfer and the L3 storage tier send or store.
+``[n, layer, 2, page_size, kv_heads, head_dim]`` that the device<->host copy engine stages through.
 
-Buffers have the layout ``[layer, kv, page, slot, kv_head, head_dim]`` of ``decode_worker.cache.pool``.
-Copies within one CUDA device use one Triton launch for all layers; copies across devices use torch.
+Buffers have the page-major layout ``[page, layer, kv, slot, kv_head, head_dim]`` of ``decode_worker.cache.pool``:
+a page is one dense block, so every move is one index copy over dim 0. Copies within one CUDA device use one
+Triton launch; copies across devices use torch.
 """
 from __future__ import annotations
 
@@ -16,22 +17,21 @@ try:
 except ImportError:  # CPU-only installs: the torch reference serves every call
     triton = None
 
-_BLOCK = 1024  # elements per Triton program; a page of one layer's K or V is split into such chunks
+_BLOCK = 1024  # elements per Triton program; a page is split into such chunks
 
 
 _ROW_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _page_rows(*buffers: torch.Tensor) -> list[torch.Tensor]:
-    """Contiguous buffers as ``[layer * 2 * pages, page_block]``, one row per page of one layer's K or V, in the
-    widest element type all their rows allow: torch's index ops copy element by element, so moving 16-byte
-    elements instead of 2-byte ones scatters twice as fast on CPU (bf16: 4.8 -> 9 GB/s here). Only bits move,
-    never values, so any element type serves."""
+    """Contiguous buffers as ``[pages, page_block]``, one row per page, in the widest element type all their rows
+    allow: torch's index ops copy element by element, so moving 16-byte elements instead of 2-byte ones scatters
+    twice as fast on CPU (bf16: 4.8 -> 9 GB/s here). Only bits move, never values, so any element type serves."""
     rows = []
     for b in buffers:
         if not b.is_contiguous():
             raise ValueError("page moves need contiguous KV buffers (pools and staging blobs are)")
-        rows.append(b.view(torch.uint8).view(b.shape[0] * b.shape[1] * b.shape[2], prod(b.shape[3:]) * b.element_size()))
+        rows.append(b.view(torch.uint8).view(b.shape[0], prod(b.shape[1:]) * b.element_size()))
 
     def fits(r: torch.Tensor, size: int) -> bool:
         return r.shape[1] % size == 0 and r.storage_offset() % size == 0 and r.data_ptr() % size == 0
@@ -40,14 +40,8 @@ def _page_rows(*buffers: torch.Tensor) -> list[torch.Tensor]:
     return [r.view(dtype) for r in rows]
 
 
-def _row_index(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Rows of ``_page_rows(buffer)`` holding ``pages``, layer by layer, K then V: a staging blob's row order."""
-    blocks = torch.arange(buffer.shape[0] * buffer.shape[1], device=buffer.device) * buffer.shape[2]
-    return (blocks[:, None] + pages.to(buffer.device, torch.int64)[None, :]).reshape(-1)
-
-
 def copy_pages_reference(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-    """dst[:, :, dst_pages] = src[:, :, src_pages], across devices if needed."""
+    """dst[dst_pages] = src[src_pages], across devices if needed."""
     if src_pages.numel() != dst_pages.numel():
         raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
     if src_pages.numel() == 0:
@@ -56,25 +50,25 @@ def copy_pages_reference(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.
 
 
 def gather_pages_reference(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """buffer[:, :, pages] as a contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor (``out`` if given)."""
+    """buffer[pages] as a contiguous ``[n, layer, 2, page_size, kv_heads, head_dim]`` tensor (``out`` if given)."""
     if out is None:
-        out = buffer.new_empty((*buffer.shape[:2], pages.numel(), *buffer.shape[3:]))
+        out = buffer.new_empty((pages.numel(), *buffer.shape[1:]))
     buffer_rows, out_rows = _page_rows(buffer, out)
-    torch.index_select(buffer_rows, 0, _row_index(buffer, pages), out=out_rows)
+    torch.index_select(buffer_rows, 0, pages.to(buffer.device, torch.int64), out=out_rows)
     return out
 
 
 def scatter_pages_reference(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
-    """buffer[:, :, pages] = staging, across devices if needed."""
-    if staging.shape[2] != pages.numel():
-        raise ValueError(f"page count mismatch: staging holds {staging.shape[2]} pages, {pages.numel()} targets")
+    """buffer[pages] = staging, across devices if needed."""
+    if staging.shape[0] != pages.numel():
+        raise ValueError(f"page count mismatch: staging holds {staging.shape[0]} pages, {pages.numel()} targets")
     if pages.numel() == 0:
         return
     # Only host->device may be asynchronous: a non-blocking device->host copy lands in pinned memory that the
     # CPU index_copy_ below would read before the transfer finished.
     staging = staging.to(buffer.device, non_blocking=buffer.is_cuda)
     staging_rows, buffer_rows = _page_rows(staging, buffer)
-    buffer_rows.index_copy_(0, _row_index(buffer, pages), staging_rows)
+    buffer_rows.index_copy_(0, pages.to(buffer.device, torch.int64), staging_rows)
 
 
 if triton is not None:
@@ -82,65 +76,60 @@ if triton is not None:
     @triton.jit
     def _copy_pages_kernel(
         src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr,
-        src_stride_layer, src_stride_kv, src_stride_page,
-        dst_stride_layer, dst_stride_kv, dst_stride_page,
+        src_stride_page, dst_stride_page,
         PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """Grid (page pair, layer * 2 + kv, chunk): copy BLOCK elements of one contiguous page block.
+        """Grid (page pair, chunk): copy BLOCK elements of one page.
 
         Offsets are int64: program ids are int32 and Triton passes strides under 2^31 as int32, and in int32
-        ``layer * stride_layer`` wraps in a pool past 2^31 elements (Llama-8B shape: ~2,080 pages of 16)."""
+        ``page * stride_page`` wraps in a pool past 2^31 elements (Llama-8B shape: ~2,080 pages of 16)."""
         i = tl.program_id(0)
-        layer = (tl.program_id(1) // 2).to(tl.int64)
-        kv = (tl.program_id(1) % 2).to(tl.int64)
-        offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < PAGE_ELEMS
         src_page = tl.load(src_pages_ptr + i).to(tl.int64)
         dst_page = tl.load(dst_pages_ptr + i).to(tl.int64)
-        src = src_ptr + layer * src_stride_layer + kv * src_stride_kv + src_page * src_stride_page + offs
-        dst = dst_ptr + layer * dst_stride_layer + kv * dst_stride_kv + dst_page * dst_stride_page + offs
+        src = src_ptr + src_page * src_stride_page + offs
+        dst = dst_ptr + dst_page * dst_stride_page + offs
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
 def _pages_contiguous(buffer: torch.Tensor) -> bool:
-    """True when each page of one layer's K or V is one dense block (always so for pool and staging buffers)."""
-    kv_heads, head_dim = buffer.shape[4:]
-    return buffer.stride()[3:] == (kv_heads * head_dim, head_dim, 1)
+    """True when each page is one dense block (always so for pool and staging buffers)."""
+    return buffer[0].is_contiguous() if buffer.shape[0] else True
 
 
 def copy_pages_triton(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
     """Triton version of :func:`copy_pages_reference` for two buffers on one device (no host sync)."""
     if src.device != dst.device:
         raise ValueError(f"copy_pages_triton needs one device, got {src.device} and {dst.device}")
-    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(f"layout mismatch: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}")
     if not (_pages_contiguous(src) and _pages_contiguous(dst)):
-        raise ValueError("copy_pages_triton needs each page block ([slot, kv_head, head_dim]) to be contiguous")
+        raise ValueError("copy_pages_triton needs each page ([layer, kv, slot, kv_head, head_dim]) to be contiguous")
     if src_pages.numel() != dst_pages.numel():
         raise ValueError(f"page count mismatch: {src_pages.numel()} source vs {dst_pages.numel()} destination")
     if src_pages.numel() == 0:
         return
-    page_elems = src[0, 0, 0].numel()
-    grid = (src_pages.numel(), src.shape[0] * 2, triton.cdiv(page_elems, _BLOCK))
+    page_elems = prod(src.shape[1:])
+    grid = (src_pages.numel(), triton.cdiv(page_elems, _BLOCK))
     _copy_pages_kernel[grid](
         src, dst, src_pages.to(src.device).contiguous(), dst_pages.to(src.device).contiguous(),
-        *src.stride()[:3], *dst.stride()[:3],
+        src.stride(0), dst.stride(0),
         PAGE_ELEMS=page_elems, BLOCK=_BLOCK,
     )
 
 
 def gather_pages_triton(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`gather_pages_reference`."""
-    layers, kv, _, page_size, kv_heads, head_dim = buffer.shape
-    staging = buffer.new_empty((layers, kv, pages.numel(), page_size, kv_heads, head_dim)) if out is None else out
+    staging = buffer.new_empty((pages.numel(), *buffer.shape[1:])) if out is None else out
     copy_pages_triton(buffer, staging, pages, torch.arange(pages.numel(), device=buffer.device))
     return staging
 
 
 def scatter_pages_triton(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
     """Triton version of :func:`scatter_pages_reference` (staging on the buffer's device)."""
-    if staging.shape[2] != pages.numel():
-        raise ValueError(f"page count mismatch: staging holds {staging.shape[2]} pages, {pages.numel()} targets")
+    if staging.shape[0] != pages.numel():
+        raise ValueError(f"page count mismatch: staging holds {staging.shape[0]} pages, {pages.numel()} targets")
     copy_pages_triton(staging, buffer, torch.arange(pages.numel(), device=buffer.device), pages)
 
 
@@ -149,7 +138,7 @@ def _triton_copy_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-    """dst[:, :, dst_pages] = src[:, :, src_pages]: Triton within one CUDA device, torch otherwise."""
+    """dst[dst_pages] = src[src_pages]: Triton within one CUDA device, torch otherwise."""
     if _triton_copy_ok(src, dst):
         copy_pages_triton(src, dst, src_pages, dst_pages)
     else:
@@ -157,7 +146,7 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
 
 
 def gather_pages(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A request's pages as one contiguous ``[layer, 2, n, page_size, kv_heads, head_dim]`` tensor on ``buffer``'s
+    """A request's pages as one contiguous ``[n, layer, 2, page_size, kv_heads, head_dim]`` tensor on ``buffer``'s
     device: ``out`` when given (it must have that shape), else a new one."""
     if triton is not None and buffer.is_cuda and _pages_contiguous(buffer) and (out is None or _pages_contiguous(out)):
         return gather_pages_triton(buffer, pages, out)
@@ -165,7 +154,7 @@ def gather_pages(buffer: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | 
 
 
 def scatter_pages(staging: torch.Tensor, buffer: torch.Tensor, pages: torch.Tensor) -> None:
-    """buffer[:, :, pages] = staging: Triton when both sit on one CUDA device, torch otherwise."""
+    """buffer[pages] = staging: Triton when both sit on one CUDA device, torch otherwise."""
     if _triton_copy_ok(staging, buffer):
         scatter_pages_triton(staging, buffer, pages)
     else:

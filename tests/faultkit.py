@@ -137,7 +137,7 @@ class StubPrefill:
                     if stub.mode == "hang":
                         stub._release.wait(600)
                         return
-                    pool = {"agent": stub.name, "base": 4096, "num_pages": 64, "planes": 60, "chunk_bytes": 12288}
+                    pool = {"agent": stub.name, "base": 4096, "num_pages": 64, "page_bytes": 737280}
                     self._reply(200, {"status": "ready", "room": body["room"], "lease": 1, "pages": [1] * 13,
                                       "first_token": 1, "logprob": 0.0, "pool": pool,
                                       "metadata": base64.b64encode(b"no agent here").decode(),

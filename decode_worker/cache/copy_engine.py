@@ -82,7 +82,7 @@ class Staging:
     and the one-time allocation with a CPU tensor standing in for the device buffer."""
 
     def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: "torch.cuda.Stream | None"):
-        self.page_bytes = prod(device_buffer.shape[:2]) * prod(device_buffer.shape[3:]) * device_buffer.element_size()
+        self.page_bytes = prod(device_buffer.shape[1:]) * device_buffer.element_size()
         self.pages_per_slot = max(1, nbytes // 2 // self.page_bytes)
         self.stream = stream
         slot_bytes = self.pages_per_slot * self.page_bytes
@@ -137,8 +137,8 @@ class Staging:
         return [(src_pages[i: i + n], dst_pages[i: i + n]) for i in range(0, src_pages.numel(), n)]
 
     def _views(self, slot: _Slot, like: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's first ``pages`` pages as contiguous ``[layer, 2, pages, ...]`` blobs, device then host."""
-        shape = (*like.shape[:2], pages, *like.shape[3:])
+        """The slot's first ``pages`` pages as contiguous ``[pages, layer, 2, ...]`` blobs, device then host."""
+        shape = (pages, *like.shape[1:])
         nbytes = pages * self.page_bytes
         return tuple(flat[:nbytes].view(like.dtype).view(shape) for flat in (slot.device, slot.host))
 

@@ -1,8 +1,9 @@
 """Paged KV storage and the page allocator shared by the L1 (device) and L2 (host) tiers.
 
-Both tiers use one layout, ``buffer[layer, kv, page, slot, kv_head, head_dim]`` (kv 0 = K, 1 = V), so a page
-moves between tiers with a single index copy over the page dimension, and attention reads one layer's K
-as a slot-addressed view (``slot = page * page_size + offset``).
+Both tiers use one page-major layout, ``buffer[page, layer, kv, slot, kv_head, head_dim]`` (kv 0 = K, 1 = V): a
+page (every layer, K and V) is one contiguous run of ``page_bytes``, so it moves between tiers with one index copy
+over dim 0, between PD peers as one transfer descriptor, and to L3 as one record. Attention reads one layer's K or
+V as a page-addressed strided view (``k_pages``), and finds token ``slot = page * page_size + offset`` through it.
 """
 from __future__ import annotations
 
@@ -30,9 +31,14 @@ class KVLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
 
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """``[layer, kv, slot, kv_head, head_dim]``: one page."""
+        return self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim
+
     def pages_shape(self, num_pages: int) -> tuple[int, ...]:
-        """``[layer, kv, page, slot, kv_head, head_dim]``: a pool of ``num_pages``, or the staging blob of that many."""
-        return self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim
+        """``[page, layer, kv, slot, kv_head, head_dim]``: a pool of ``num_pages``, or the staging blob of that many."""
+        return num_pages, *self.page_shape
 
     def describe(self) -> dict[str, object]:
         return {
@@ -42,6 +48,7 @@ class KVLayout:
             "head_dim": self.head_dim,
             "page_size": self.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "order": "page_major",  # a page's byte order: a pool or L3 record laid out otherwise must not match
         }
 
     def fingerprint(self) -> str:
@@ -71,19 +78,17 @@ class KVPool:
     def page_size(self) -> int:
         return self.layout.page_size
 
-    def k_slots(self, layer: int) -> torch.Tensor:
-        """Slot-addressed view ``[num_pages * page_size, kv_heads, head_dim]`` of layer K."""
-        return self.buffer[layer, 0].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
-
-    def v_slots(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 1].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
-
     def k_pages(self, layer: int) -> torch.Tensor:
-        """Page-addressed view ``[num_pages, page_size, kv_heads, head_dim]`` of layer K."""
-        return self.buffer[layer, 0]
+        """Page-addressed view ``[num_pages, page_size, kv_heads, head_dim]`` of layer K; its page stride is a whole
+        page, so kernels must index it through its strides."""
+        return self.buffer[:, layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
-        return self.buffer[layer, 1]
+        return self.buffer[:, layer, 1]
+
+    def page_data(self, pages: torch.Tensor | list[int] | int) -> torch.Tensor:
+        """A copy of the bytes of ``pages``: ``[n, layer, kv, slot, kv_head, head_dim]``, or one page for an int."""
+        return self.buffer[torch.as_tensor(pages, dtype=torch.int64, device=self.device)]
 
 
 class OutOfPages(RuntimeError):

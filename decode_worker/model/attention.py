@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from decode_worker_kernels.kv_write import write_kv
+from decode_worker_kernels.kv_write import slot_index, slot_rows, write_kv
 from decode_worker_kernels.paged_attention import paged_decode_attention
 
 from decode_worker.cache.pool import KVPool
@@ -11,7 +11,7 @@ from decode_worker.model.forward_batch import ForwardBatch
 
 
 def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-    write_kv(pool.k_slots(layer), pool.v_slots(layer), fb.out_slots, k, v)
+    write_kv(pool.k_pages(layer), pool.v_pages(layer), fb.out_slots, k, v)
 
 
 def attend(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -24,10 +24,14 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: f
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix plus themselves.
 
-    One gather per layer brings every request's K/V together (``fb.context_slots``); the loop over requests then
-    only slices, with lengths the host already knows, so no step waits for the device."""
-    k_ctx = pool.k_slots(layer).index_select(0, fb.context_slots)  # [sum seq_lens, Hkv, D]
-    v_ctx = pool.v_slots(layer).index_select(0, fb.context_slots)
+    One gather per layer brings every request's K/V together (``fb.context_slots``, turned into rows of the
+    layer's page view); the loop over requests then only slices, with lengths the host already knows, so no step
+    waits for the device."""
+    k_rows, rows_per_page = slot_rows(pool.k_pages(layer))
+    v_rows, _ = slot_rows(pool.v_pages(layer))
+    rows = slot_index(fb.context_slots, pool.page_size, rows_per_page)
+    k_ctx = k_rows.index_select(0, rows)  # [sum seq_lens, Hkv, D]
+    v_ctx = v_rows.index_select(0, rows)
     out = torch.empty_like(q)
     start = ctx_start = 0
     for prefix, seq_len in zip(fb.prefix_lens, fb.host_seq_lens):

@@ -126,7 +126,7 @@ def test_two_workers_share_one_redis(redis_server):
         dst = KVPool(LAYOUT, PAGES + 3)
         dst_pages = torch.arange(PAGES + 2, 2, -1)[:PAGES]
         arrived = await second.prefetch(KEYS, dst, dst_pages, None)
-        same = torch.equal(dst.buffer[:, :, dst_pages].view(torch.uint8), src.buffer[:, :, :PAGES].view(torch.uint8))
+        same = torch.equal(dst.buffer[dst_pages].view(torch.uint8), src.buffer[:PAGES].view(torch.uint8))
         foreign = StorageTier(RedisStore(redis_server.url), other_model)
         foreign_hits = await foreign.exists(page_keys(other_model, PROMPT))  # another model's keys never match
         for tier in (first, second, foreign):
@@ -193,7 +193,7 @@ def test_redis_stopped_mid_run_degrades_and_recovers(redis_server):
         "exists": {"down": 1, "unavailable": 1}, "prefetch": {"unavailable": 1}, "backup": {"unavailable": 1}
     }
     assert after == (PAGES, PAGES)
-    assert torch.equal(dst.buffer.view(torch.uint8), source_pool().buffer[:, :, :PAGES].view(torch.uint8))
+    assert torch.equal(dst.buffer.view(torch.uint8), source_pool().buffer[:PAGES].view(torch.uint8))
 
 
 async def _fill(tier: StorageTier, src: KVPool) -> None:
@@ -232,5 +232,5 @@ def test_file_store_survives_a_worker_restart(tmp_path):
 
     (hits, arrived), dst, tier = asyncio.run(go())
     assert (hits, arrived) == (PAGES, PAGES)
-    assert torch.equal(dst.buffer.view(torch.uint8), source_pool().buffer[:, :, :PAGES].view(torch.uint8))
+    assert torch.equal(dst.buffer.view(torch.uint8), source_pool().buffer[:PAGES].view(torch.uint8))
     assert tier.backend.used_bytes == sum(p.stat().st_size for p in folder.rglob("*.page"))

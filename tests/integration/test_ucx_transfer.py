@@ -110,9 +110,9 @@ def test_scattered_pages_land_exactly_and_the_peer_hears_the_release(peer):
         source, into = [200, 3, 4, 5, 77, 255], [9, 10, 11, 100, 1, 0]
         read(agent, remote, into, source)
         reference = seeded(PAGES).buffer
-        assert same_bytes(pool.buffer[:, :, into], reference[:, :, source])
+        assert same_bytes(pool.buffer[into], reference[source])
         untouched = [p for p in range(PAGES) if p not in into]
-        assert int(pool.buffer[:, :, untouched].count_nonzero()) == 0  # nothing outside the pages asked for
+        assert int(pool.buffer[untouched].count_nonzero()) == 0  # nothing outside the pages asked for
         assert agent.notify(remote.name, b"release 2 2") and peer.next_notification() == "release 2 2"
 
 
@@ -133,7 +133,7 @@ def test_large_read_goes_through_the_copy_thread_and_keeps_the_loop_free(big_pee
             ticker.cancel()
             return ticks
         assert asyncio.run(go()) > 0  # the loop ran while the 64 MB were copied
-        assert same_bytes(pool.buffer[:, :, order], seeded(BIG_PAGES).buffer)
+        assert same_bytes(pool.buffer[order], seeded(BIG_PAGES).buffer)
 
 
 def test_a_dead_peer_fails_the_read_at_once(peer):

@@ -71,12 +71,12 @@ def write_kv(pool: KVPool, tokens, pages: np.ndarray, first_page: int = 0) -> No
     """Stand-in for a forward pass: the request writes its KV into its pages."""
     for j in range(first_page, min(len(pages), -(-len(tokens) // PS))):
         if (j + 1) * PS <= len(tokens):
-            pool.buffer[:, :, pages[j]] = page_value(tuple(tokens[: (j + 1) * PS]))
+            pool.buffer[pages[j]] = page_value(tuple(tokens[: (j + 1) * PS]))
 
 
 def assert_kv(pool: KVPool, tokens, pages: np.ndarray) -> None:
     for j, page in enumerate(pages.tolist()):
-        assert torch.equal(pool.buffer[:, :, page], page_value(tuple(tokens[: (j + 1) * PS]))), f"page {j}"
+        assert torch.equal(pool.buffer[page], page_value(tuple(tokens[: (j + 1) * PS]))), f"page {j}"
 
 
 def start(cache: HierarchicalCache, tokens):
@@ -682,8 +682,8 @@ def test_copy_engine_round_trip_in_order():
             await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 
         asyncio.run(both())
-        assert torch.equal(host.buffer[:, :, mid], dev.buffer[:, :, src])
-        assert torch.equal(dev.buffer[:, :, back], dev.buffer[:, :, src])
+        assert torch.equal(host.buffer[mid], dev.buffer[src])
+        assert torch.equal(dev.buffer[back], dev.buffer[src])
     finally:
         engine.close()
 

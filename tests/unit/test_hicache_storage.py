@@ -76,7 +76,7 @@ def test_insert_host_dups_gaps_and_split(tmp_path):
         # pages 2..4 arrive (from_page 2): page 2 dup, 3..4 new
         pages = cache.alloc_host(3)
         for j, pg in zip(range(2, 5), pages.tolist()):
-            host.buffer[:, :, pg] = page_value(PROMPT[: (j + 1) * PS])
+            host.buffer[pg] = page_value(PROMPT[: (j + 1) * PS])
         span = cache.insert_host(PROMPT, pages, 2)
         assert span == range(3, 5)
         check_invariants(cache, request_pages=0, prefetch_pages=0)
@@ -90,7 +90,7 @@ def test_insert_host_dups_gaps_and_split(tmp_path):
         # split: a prompt diverging inside node [3,5): pages 0..3 shared, page 4 different
         other = PROMPT[:8] + (77, 78)
         pages = cache.alloc_host(1)
-        host.buffer[:, :, pages[0]] = page_value(other)
+        host.buffer[pages[0]] = page_value(other)
         assert cache.insert_host(other, pages, 4) == range(4, 5)
         check_invariants(cache, request_pages=0, prefetch_pages=0)
         m = cache.match(other)

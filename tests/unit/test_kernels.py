@@ -14,9 +14,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
-from decode_worker_kernels import copy_pages, gather_pages, paged_decode_attention, scatter_pages, write_kv
-from decode_worker_kernels import kv_write, page_copy, paged_attention
+from decode_worker_kernels import (
+    copy_pages,
+    gather_pages,
+    kv_write,
+    page_copy,
+    paged_attention,
+    paged_decode_attention,
+    scatter_pages,
+    write_kv,
+)
 
 # (num_q_heads, kv_heads, head_dim, page_size, seq_lens): GQA groups 1 and 3, page sizes 1/4/16, ragged lengths
 # with 1 and an exact multiple of the page size, lengths over 32 so the Triton kernel takes several steps.
@@ -46,7 +53,8 @@ def make_attention_case(
     dtype: torch.dtype = torch.float32, device: str = "cpu", table_dtype: torch.dtype = torch.int32, seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Pages of each request scattered over a shuffled pool; table entries past a request's pages point at
-    random pages, and a spare column, so masking (not zero-filled memory) must hide them."""
+    random pages, and a spare column, so masking (not zero-filled memory) must hide them. K and V are one layer's
+    strided views of a page-major pool, as ``KVPool.k_pages`` gives them, so kernels must honour the strides."""
     gen = torch.Generator().manual_seed(seed)
     counts = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(counts) + 3
@@ -56,11 +64,11 @@ def make_attention_case(
     for b, count in enumerate(counts):
         table[b, :count] = order[used:used + count]
         used += count
-    shape = (num_pages, page_size, kv_heads, head_dim)
+    pool = torch.randn(num_pages, 2, 2, page_size, kv_heads, head_dim, generator=gen).to(device, dtype)  # 2 layers
     return {
         "q": torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(device, dtype),
-        "k_pages": torch.randn(shape, generator=gen).to(device, dtype),
-        "v_pages": torch.randn(shape, generator=gen).to(device, dtype),
+        "k_pages": pool[:, 1, 0],
+        "v_pages": pool[:, 1, 1],
         "page_table": table.to(device, table_dtype),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
         "scale": head_dim ** -0.5,
@@ -85,7 +93,7 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, scale) -> torch.T
 
 def make_page_buffers(layers: int, page_size: int, kv_heads: int, head_dim: int, num_pages: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    shape = (layers, 2, num_pages, page_size, kv_heads, head_dim)
+    shape = (num_pages, layers, 2, page_size, kv_heads, head_dim)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), gen
 
 
@@ -120,19 +128,19 @@ def test_paged_attention_reference_ignores_pages_past_length():
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_write_kv_reference_matches_naive(page_size: int, pool_dtype: torch.dtype):
     gen = torch.Generator().manual_seed(page_size)
-    kv_heads, head_dim, num_slots, n = 3, 8, 6 * page_size, 5
-    k_slots = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(pool_dtype)
-    v_slots = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(pool_dtype)
+    kv_heads, head_dim, num_pages, n = 3, 8, 6, 5
+    pool = torch.randn(num_pages, 2, 2, page_size, kv_heads, head_dim, generator=gen).to(pool_dtype)  # 2 layers
+    k_pages, v_pages = pool[:, 1, 0], pool[:, 1, 1]
     qkv = torch.randn(n, 3 * kv_heads * head_dim, generator=gen)  # k, v as strided slices, as a fused projection gives
     k = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(n, kv_heads, head_dim)
     v = qkv[:, 2 * kv_heads * head_dim:].view(n, kv_heads, head_dim)
-    slots = torch.randperm(num_slots, generator=gen)[:n]
-    want_k, want_v = k_slots.clone(), v_slots.clone()
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    want = pool.clone()
     for i, slot in enumerate(slots.tolist()):
-        want_k[slot] = k[i].to(pool_dtype)
-        want_v[slot] = v[i].to(pool_dtype)
-    write_kv(k_slots, v_slots, slots, k, v)
-    assert torch.equal(k_slots, want_k) and torch.equal(v_slots, want_v)
+        want[slot // page_size, 1, 0, slot % page_size] = k[i].to(pool_dtype)
+        want[slot // page_size, 1, 1, slot % page_size] = v[i].to(pool_dtype)
+    write_kv(k_pages, v_pages, slots, k, v)
+    assert torch.equal(pool, want)  # layer 0 and every other slot untouched
 
 
 @pytest.mark.parametrize("shape", PAGE_SHAPES, ids=lambda s: f"ps{s[1]}")
@@ -144,53 +152,53 @@ def test_page_moves_reference_match_naive(shape):
 
     want = dst.clone()
     for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
-        want[:, :, d] = src[:, :, s]
+        want[d] = src[s]
     copy_pages(src, dst, src_pages, dst_pages)
     assert torch.equal(dst, want)
 
     staging = gather_pages(src, src_pages)
     assert staging.is_contiguous()
-    assert torch.equal(staging, torch.stack([src[:, :, p] for p in src_pages.tolist()], dim=2))
+    assert torch.equal(staging, torch.stack([src[p] for p in src_pages.tolist()]))
 
     target = torch.zeros_like(src)
     scatter_pages(staging, target, dst_pages)
     for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
-        assert torch.equal(target[:, :, d], src[:, :, s])
+        assert torch.equal(target[d], src[s])
     untouched = torch.ones(num_pages, dtype=torch.bool)
     untouched[dst_pages.long()] = False
-    assert not target[:, :, untouched].any()
+    assert not target[untouched].any()
 
 
 @pytest.mark.parametrize("dtype,page_size,head_dim,row_dtype", [(torch.bfloat16, 4, 64, torch.complex128),
-                                                                (torch.float32, 1, 3, torch.int32),
-                                                                (torch.bfloat16, 1, 3, torch.int16)])
+                                                                (torch.float32, 1, 3, torch.int64),
+                                                                (torch.bfloat16, 1, 3, torch.int32)])
 def test_page_moves_copy_bits_whatever_the_row_element_type(dtype, page_size: int, head_dim: int, row_dtype):
     """Pages move as rows of wide elements (see ``_page_rows``); every bit pattern, NaNs included, arrives unchanged."""
     gen = torch.Generator().manual_seed(3)
-    shape = (2, 2, 7, page_size, 3, head_dim)
+    shape = (7, 1, 2, page_size, 1, head_dim)  # one layer, one kv head: pages of 24 or 12 bytes stay narrow
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     src, dst = (torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape) for _ in range(2))
     assert page_copy._page_rows(src, dst)[0].dtype == row_dtype
     src_pages, dst_pages = torch.tensor([5, 0, 3]), torch.tensor([1, 6, 2])
     want = dst.clone()
-    want[:, :, dst_pages] = src[:, :, src_pages]
+    want[dst_pages] = src[src_pages]
     staging = gather_pages(src, src_pages)
-    assert torch.equal(staging.view(torch.uint8), src[:, :, src_pages].contiguous().view(torch.uint8))
+    assert torch.equal(staging.view(torch.uint8), src[src_pages].contiguous().view(torch.uint8))
     scatter_pages(staging, dst, dst_pages)
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
     copy_pages(src, dst, src_pages.flip(0), dst_pages)
-    want[:, :, dst_pages] = src[:, :, src_pages.flip(0)]
+    want[dst_pages] = src[src_pages.flip(0)]
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_page_moves_between_buffers_aligned_differently():
     """A buffer that starts 2 bytes into its storage moves pages as 2-byte rows, and so does its partner."""
     raw = torch.randint(0, 256, (2 * 2 * 5 * 4 * 3 * 8 * 2 + 2,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
-    buf = raw[2:].view(torch.bfloat16).view(2, 2, 5, 4, 3, 8)
+    buf = raw[2:].view(torch.bfloat16).view(5, 2, 2, 4, 3, 8)
     staging = gather_pages(buf, torch.tensor([4, 1]))
-    assert torch.equal(staging.view(torch.uint8), buf[:, :, [4, 1]].contiguous().view(torch.uint8))
+    assert torch.equal(staging.view(torch.uint8), buf[[4, 1]].contiguous().view(torch.uint8))
     scatter_pages(staging, buf, torch.tensor([0, 2]))
-    assert torch.equal(buf[:, :, [0, 2]].view(torch.uint8), staging.view(torch.uint8))
+    assert torch.equal(buf[[0, 2]].view(torch.uint8), staging.view(torch.uint8))
 
 
 def test_page_moves_reject_count_mismatch():
@@ -252,8 +260,9 @@ def _write_kv_error(shape, dtype, device) -> float:
     new = torch.randn(2, n, kv_heads, 2 * head_dim, generator=gen).to(device, dtype)[..., ::2]  # strided input
     slots = torch.randperm(num_pages * page_size, generator=gen)[:n].to(device)
     got = buffers.clone()
-    kv_write.write_kv_triton(got[0, 0].view(-1, kv_heads, head_dim), got[0, 1].view(-1, kv_heads, head_dim), slots, new[0], new[1])
-    kv_write.write_kv_reference(buffers[0, 0].view(-1, kv_heads, head_dim), buffers[0, 1].view(-1, kv_heads, head_dim), slots, new[0], new[1])
+    layer = buffers.shape[1] - 1  # strided page views, as KVPool.k_pages gives them
+    kv_write.write_kv_triton(got[:, layer, 0], got[:, layer, 1], slots, new[0], new[1])
+    kv_write.write_kv_reference(buffers[:, layer, 0], buffers[:, layer, 1], slots, new[0], new[1])
     return (got.double() - buffers.double()).abs().max().item()
 
 
@@ -327,11 +336,11 @@ def test_cuda_dispatch_and_cross_device_moves():
     copy_pages(host, device_buf, pages, pages)  # load-back
     back = torch.zeros_like(host)
     copy_pages(device_buf, back, pages, pages)  # backup
-    assert torch.equal(back[:, :, pages], host[:, :, pages])
+    assert torch.equal(back[pages], host[pages])
     staging = gather_pages(device_buf, pages).cpu()
     target = torch.zeros_like(device_buf)
     scatter_pages(staging, target, pages)
-    assert torch.equal(target[:, :, pages].cpu(), host[:, :, pages])
+    assert torch.equal(target[pages].cpu(), host[pages])
 
 
 if __name__ == "__main__":

@@ -15,35 +15,34 @@ def pool() -> KVPool:
     return KVPool(LAYOUT, 10)
 
 
-def test_each_row_is_one_page_of_one_layer_and_kv(pool):
+def test_each_row_is_one_whole_page(pool):
+    """One descriptor per page, covering every layer's K and V of it and nothing else."""
     desc = PoolDescriptor.of("a", pool.buffer)
-    assert (desc.planes, desc.num_pages, desc.page_bytes) == (6, 10, LAYOUT.page_bytes)
+    assert (desc.num_pages, desc.page_bytes) == (10, LAYOUT.page_bytes)
     table = desc.table()
+    assert table.shape == (10, 3)
     for page in (0, 3, 9):
-        rows = table[desc.indices([page])]
-        expected = [pool.buffer[layer, kv, page].data_ptr() for layer in range(3) for kv in range(2)]
-        assert rows[:, 0].tolist() == expected
-        assert set(rows[:, 1].tolist()) == {pool.buffer[0, 0, 0].numel() * 2}
+        (address, nbytes, device), = table[desc.indices([page])].tolist()
+        first, last = pool.buffer[page, 0, 0].data_ptr(), pool.buffer[page, -1, 1, -1, -1, -1].data_ptr()
+        assert (address, nbytes, device) == (first, LAYOUT.page_bytes, 0)
+        assert last + pool.buffer.element_size() == address + nbytes
 
 
-def test_page_lists_pair_up_plane_by_plane(pool):
+def test_page_lists_pair_up_row_by_row(pool):
     desc = PoolDescriptor.of("a", pool.buffer)
     table = desc.table()
     ours, theirs = desc.indices([7, 2]), desc.indices([4, 5])
-    pairs = list(zip(table[ours][:, 0].tolist(), table[theirs][:, 0].tolist(), strict=True))
-    page_of = {pool.buffer[layer, kv, p].data_ptr(): (layer, kv, p) for layer in range(3) for kv in range(2)
-               for p in range(10)}
-    mapped = {(page_of[a][2], page_of[b][2]) for a, b in pairs}
-    assert mapped == {(7, 4), (2, 5)}  # page 7 <- 4 and 2 <- 5 in every plane, nothing crossed
-    assert all(page_of[a][:2] == page_of[b][:2] for a, b in pairs)  # same layer and K/V on both sides
+    assert ours == [7, 2] and theirs == [4, 5]
+    page_of = {pool.buffer[p].data_ptr(): p for p in range(10)}
+    pairs = [(page_of[a], page_of[b]) for a, b in zip(table[ours][:, 0].tolist(), table[theirs][:, 0].tolist())]
+    assert pairs == [(7, 4), (2, 5)]
 
 
 def test_consecutive_pages_are_neighbours_in_list_and_memory(pool):
-    """What lets the transfer library merge a run of pages into one copy per plane."""
+    """What lets the transfer library merge a run of pages into one copy."""
     desc = PoolDescriptor.of("a", pool.buffer)
     rows = desc.table()[desc.indices([4, 5, 6])]
-    first_plane = rows[:3]
-    assert (first_plane[1:, 0] - first_plane[:-1, 0]).tolist() == [desc.chunk_bytes] * 2
+    assert (rows[1:, 0] - rows[:-1, 0]).tolist() == [desc.page_bytes] * 2
 
 
 def test_pages_outside_the_pool_and_odd_buffers_are_refused(pool):
@@ -53,7 +52,7 @@ def test_pages_outside_the_pool_and_odd_buffers_are_refused(pool):
     with pytest.raises(ValueError, match="outside"):
         desc.indices([-1])
     with pytest.raises(ValueError, match="contiguous"):
-        PoolDescriptor.of("a", pool.buffer[:, :, ::2])
+        PoolDescriptor.of("a", pool.buffer[:, :, :1])
 
 
 def test_descriptor_survives_the_handshake_json(pool):

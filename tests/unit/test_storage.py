@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ async def fill(tier: StorageTier, src: KVPool, keys: list[str] = KEYS) -> None:
 
 
 def same_pages(a: KVPool, a_pages: torch.Tensor, b: KVPool, b_pages: torch.Tensor) -> bool:
-    return torch.equal(a.buffer[:, :, a_pages], b.buffer[:, :, b_pages])
+    return torch.equal(a.buffer[a_pages], b.buffer[b_pages])
 
 
 # -- records -----------------------------------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def test_tier_backup_then_prefetch_round_trip(tmp_path):
 def test_tier_backup_copies_pages_before_returning(tmp_path):
     """L2 may reuse a page as soon as backup() returns: what is stored is the data at the call."""
     src, dst = filled_pool(seed=2), KVPool(LAYOUT, 16)
-    expect = src.buffer[:, :, :4].clone()
+    expect = src.buffer[:4].clone()
     tier = make_tier(tmp_path)
 
     async def go():
@@ -255,7 +256,7 @@ def test_tier_backup_copies_pages_before_returning(tmp_path):
         return await tier.prefetch(KEYS[:4], dst, torch.arange(4), None)
 
     assert asyncio.run(go()) == 4
-    assert torch.equal(dst.buffer[:, :, :4], expect)
+    assert torch.equal(dst.buffer[:4], expect)
 
 
 def test_tier_backup_skips_pages_already_stored(tmp_path):
@@ -282,7 +283,7 @@ def test_prefetch_stops_at_first_gap(tmp_path):
 
     assert asyncio.run(go()) == 2
     assert same_pages(src, torch.arange(2), dst, torch.arange(2))
-    assert not dst.buffer[:, :, 2:].any(), "pages after the gap were written"
+    assert not dst.buffer[2:].any(), "pages after the gap were written"
     assert tier.stats().failures == {}  # a miss is not a failure
 
 
@@ -307,7 +308,7 @@ def test_damaged_page_is_a_counted_miss_and_gets_deleted(tmp_path, damage, reaso
         return n, await tier.exists(KEYS)
 
     assert asyncio.run(go()) == (3, 3)  # pages before it arrive; it is gone so a later backup can rewrite it
-    assert same_pages(src, torch.arange(3), dst, torch.arange(3)) and not dst.buffer[:, :, 3:].any()
+    assert same_pages(src, torch.arange(3), dst, torch.arange(3)) and not dst.buffer[3:].any()
     assert tier.stats().failures == {"prefetch": {reason: 1}}
 
 
@@ -325,7 +326,26 @@ def test_foreign_fingerprint_page_is_a_miss(tmp_path):
         return await tier.prefetch(KEYS[:3], dst, torch.arange(3), None), await tier.exists(KEYS[:3])
 
     assert asyncio.run(go()) == (2, 3)  # not deleted: it is someone else's page
-    assert not dst.buffer[:, :, 2].any()
+    assert not dst.buffer[2].any()
+    assert tier.stats().failures == {"prefetch": {"foreign": 1}}
+
+
+def test_records_of_the_layer_major_layout_are_never_loaded(tmp_path):
+    """The pool went page-major: a page's bytes are ordered differently, so records stored by a layer-major worker
+    (same shape, a fingerprint without ``order``) must neither share our keys nor load under them."""
+    described = {k: v for k, v in LAYOUT.describe().items() if k != "order"}
+    assert LAYOUT.describe()["order"] == "page_major" and LAYOUT.differences(described) == [
+        "order: ours='page_major' theirs=None"]
+    legacy = hashlib.sha256(";".join(f"{k}={v}" for k, v in sorted(described.items())).encode()).hexdigest()[:32]
+    assert legacy != LAYOUT.fingerprint()
+    assert [h.hex() for h in chain_hashes(token_key(list(range(PS))), PS, RadixTree(PS, legacy).root_hash)] != KEYS[:1]
+    dst, tier = KVPool(LAYOUT, 4), make_tier(tmp_path)
+
+    async def go():
+        await tier.backend.put(KEYS[:1], [encode_record(KEYS[0], legacy, os.urandom(LAYOUT.page_bytes))])
+        return await tier.prefetch(KEYS[:1], dst, torch.arange(1), None)
+
+    assert asyncio.run(go()) == 0 and not dst.buffer.any()
     assert tier.stats().failures == {"prefetch": {"foreign": 1}}
 
 
@@ -368,7 +388,7 @@ def test_prefetch_deadline_honoured_with_a_slow_store(tmp_path):
     assert 0.44 <= waited < 1.0, waited
     assert 1 <= n <= 2, n  # one page per 0.2 s
     assert same_pages(src, torch.arange(n), dst, torch.arange(n))
-    assert not dst.buffer[:, :, n:].any(), "a page was written after the prefetch stopped"
+    assert not dst.buffer[n:].any(), "a page was written after the prefetch stopped"
 
 
 def test_best_effort_does_not_wait_and_wait_complete_gets_everything(tmp_path):

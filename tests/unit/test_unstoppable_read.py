@@ -23,7 +23,7 @@ class StuckHandle:
 
 def test_a_read_that_cannot_be_stopped_fails_as_unstoppable(monkeypatch):
     monkeypatch.setattr(agent_module, "RETIRE_S", 0.02)
-    agent = KVAgent(torch.zeros(1, 2, 4, 16), "decode")  # [layer, kv, page, ...]: 4 pages
+    agent = KVAgent(torch.zeros(4, 1, 2, 16), "decode")  # [page, layer, kv, ...]: 4 pages
     try:
         monkeypatch.setattr(agent.agent, "make_prepped_xfer", lambda *a, **k: StuckHandle())
         monkeypatch.setattr(agent, "_post", lambda handle: "PROC")
