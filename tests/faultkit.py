@@ -89,8 +89,8 @@ def prompt_margins(model_path: Path) -> list[float]:
     """In-process, without any cache: the smallest top-1 minus top-2 logit gap along each prompt's greedy output."""
     import torch
 
-    from decode_worker.engine.llm import LLM
     from decode_worker.core.sampling import SamplingParams
+    from decode_worker.engine.llm import LLM
 
     llm = LLM(str(model_path), max_total_tokens=4096)
     prompts = [llm.tokenizer.encode(chatml(*sq)) for sq in PROMPT_SET]
