@@ -1,9 +1,9 @@
 """Split-KV decode attention (``kernels/paged_attention_split.py``) against the torch reference.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 in one subprocess (the variable must be set before triton is
-imported) on small shapes cut into many short splits; running this file as a script prints each case's error as
-JSON, which is what that subprocess does. With a CUDA device the real sizes run in-process, with the dispatcher,
-a CUDA graph and a pool whose offsets pass 2^31 elements.
+imported) on small shapes cut into many short splits; run as a module (``python -m tests.unit.test_split_attention``)
+this file prints each case's error as JSON, which is what that subprocess does. With a CUDA device the real sizes
+run in-process, with the dispatcher, a CUDA graph and a pool whose offsets pass 2^31 elements.
 """
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ import pytest
 import torch
 from decode_worker_kernels import paged_attention, paged_attention_split, paged_decode_attention
 from decode_worker_kernels.paged_attention_split import choose_num_splits, paged_decode_attention_split
+
+from tests.unit.test_kernels import make_attention_case
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Case(NamedTuple):
@@ -59,30 +63,15 @@ CUOBJDUMP = Path(paged_attention.triton.__file__).parent / "backends/nvidia/bin/
 
 
 def make_inputs(case: Case, device: str = "cpu", index_dtype: torch.dtype = torch.int32, seed: int = 0) -> dict:
-    """Each request's pages scattered over a shuffled page-major pool ``[pages, layers, 2, slot, heads, dim]``;
-    K/V are layer 1's strided views. Table entries past a request's pages, and a spare column, point at random
-    pages, so only the length bounds (not zero-filled memory) can hide them. q is a strided view too. The table
-    and lengths share ``index_dtype``: the model's are int64, and int32 must work too."""
-    gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // case.page_size) for n in case.seq_lens]
-    num_pages = sum(counts) + 3
-    order = torch.randperm(num_pages, generator=gen)
-    table = torch.randint(0, num_pages, (len(counts), max(counts) + 1), generator=gen)
-    used = 0
-    for b, count in enumerate(counts):
-        table[b, :count] = order[used:used + count]
-        used += count
-    shape = (num_pages, 2, 2, case.page_size, case.kv_heads, case.head_dim)
-    pool = torch.randn(shape, generator=gen).to(device, case.dtype)
-    q = torch.randn(len(counts), case.num_q_heads, 2 * case.head_dim, generator=gen).to(device, case.dtype)
-    return {
-        "q": q[..., ::2],
-        "k_pages": pool[:, 1, 0],
-        "v_pages": pool[:, 1, 1],
-        "page_table": table.to(device, index_dtype),
-        "seq_lens": torch.tensor(case.seq_lens, dtype=index_dtype, device=device),
-        "scale": case.head_dim ** -0.5,
-    }
+    """``test_kernels.make_attention_case``'s inputs (pages scattered over a shuffled page-major pool, K/V strided
+    views of one layer, spare table entries pointing at random pages) with the lengths in ``index_dtype`` too (the
+    model's are int64, and int32 must work) and q a strided view as well."""
+    inputs = make_attention_case(case.num_q_heads, case.kv_heads, case.head_dim, case.page_size, case.seq_lens,
+                                 case.dtype, device, table_dtype=index_dtype, seed=seed)
+    q = inputs["q"]
+    inputs["q"] = torch.empty(*q.shape[:2], 2 * q.shape[2], dtype=q.dtype, device=q.device)[..., ::2].copy_(q)
+    inputs["seq_lens"] = inputs["seq_lens"].to(index_dtype)
+    return inputs
 
 
 def reference(inputs: dict) -> torch.Tensor:
@@ -109,8 +98,8 @@ def tolerance(dtype: torch.dtype) -> float:
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float | str]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.test_split_attention"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
