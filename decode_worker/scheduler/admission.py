@@ -48,16 +48,21 @@ class Admission:
             self.source.prepare(req, self.wakeup.set)
 
     def admit(self) -> None:
-        """Admit from the head of the queue while batch slots and L1 pages allow."""
-        while True:
-            queue = self.queues.retracted or self.queues.prealloc
-            if not queue or self.queues.admitted() >= self.max_running:
+        """Admit in queue order while batch slots and L1 pages allow.
+
+        A request whose prompt KV comes from a peer that has not answered yet is passed over: it could not start
+        anyway, and admitting it would hold L1 pages (and hold up the queue) for as long as its peer stalls, up to
+        the handshake timeout. The first other request waits for its prefetch as its policy says and, if it does
+        not fit, stops admission, so pages still go in queue order."""
+        while self.queues.admitted() < self.max_running:
+            req = self._first_answered()
+            if req is None or not self._settled(req) or not self.try_alloc(req):
                 return
-            req = queue[0]
-            if not self._settled(req):
-                return  # the head waits for its prefetch as its policy says; FIFO, so the rest wait behind it
-            if not self.try_alloc(req):
-                return
+
+    def _first_answered(self) -> Req | None:
+        queue = self.queues.retracted or self.queues.prealloc
+        return next((req for req in itertools.islice(queue, PEER_LOOKAHEAD)
+                     if not self.source.receives(req) or self.source.answered(req)), None)
 
     def forget(self, req: Req) -> None:
         """A request leaving before admission: stop its prefetch and free the L2 pages it took."""

@@ -11,6 +11,7 @@ import torch
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
+from decode_worker.core.lifecycle import ReqState
 from decode_worker.core.request import GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
@@ -42,14 +43,16 @@ class PeerKV(Colocated):
 
 
 def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through", *,
-                   engine: type[CopyEngine] = CopyEngine, kv_source: KVSource | None = None, max_running: int = 32) -> Scheduler:
-    """A float64 scheduler with 4-token pages; ``engine`` lets a test hold copies, ``kv_source`` makes it PD decode."""
+                   engine: type[CopyEngine] = CopyEngine, kv_source: KVSource | None = None, max_running: int = 32,
+                   peer: type[PeerKV] = PeerKV) -> Scheduler:
+    """A float64 scheduler with 4-token pages; ``engine`` lets a test hold copies, ``kv_source`` makes it PD decode
+    (through ``peer``)."""
     loaded = load_model(path, dtype=torch.float64, tokenizer=False)
     runner = ModelRunner(loaded, max_total_tokens, page_size=4)
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
     copies = engine(runner.pool.buffer, host.buffer) if host is not None else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=copies)
-    roles = {"source": PeerKV(kv_source)} if kv_source is not None else {}
+    roles = {"source": peer(kv_source)} if kv_source is not None else {}
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "",
                      max_running=max_running, max_prefill_tokens=512, load_back_timeout_s=10, **roles)
 
@@ -258,3 +261,40 @@ def test_never_fitting_request_is_rejected_at_once(tiny_models):
     with pytest.raises(RequestError, match="KV pool"):
         scheduler.submit(GenerateInput("big", [1] * 40, SamplingParams(max_new_tokens=40)))
     assert not scheduler.requests
+
+
+class R0NotAnswered(PeerKV):
+    """Prefill has answered every request but r0 (its peer stalls)."""
+
+    def answered(self, req: Req) -> bool:
+        return req.rid != "r0"
+
+
+def test_a_request_whose_peer_has_not_answered_holds_no_pages_and_no_one_up(tiny_models, prompts):
+    """r0's prefill never answers; r1's has. r1 is admitted and served while r0 waits in the queue without L1
+    pages, rather than r0 taking pages (and, on a small L1, the queue's turn) until its handshake times out."""
+    async def kv_source(req: Req, pages) -> tuple[int, float]:
+        assert req.rid != "r0", "r0 was admitted before its peer answered"
+        return 7, 0.0
+
+    async def scenario():
+        scheduler = make_scheduler(tiny_models["llama"], 4096, kv_source=kv_source, peer=R0NotAnswered)
+        scheduler.start()
+        try:
+            head = scheduler.submit(GenerateInput("r0", prompts[0], GREEDY))
+            events = await asyncio.wait_for(collect(scheduler.submit(GenerateInput("r1", prompts[1], GREEDY))), 30)
+            r0 = scheduler.requests["r0"]
+            assert r0.state is ReqState.QUEUED and r0.handle is None
+            scheduler.abort("r0")
+            await asyncio.wait_for(collect(head), 30)
+            return events, scheduler
+        finally:
+            await scheduler.stop(grace_s=0)
+
+    events, scheduler = asyncio.run(scenario())
+    assert not any(e.error for e in events) and sum(len(e.token_ids) for e in events) == GREEDY.max_new_tokens
+    settle(scheduler)
+
+
+async def collect(stream) -> list:
+    return [event async for event in stream]
