@@ -137,7 +137,8 @@ class StubPrefill:
                     if stub.mode == "hang":
                         stub._release.wait(600)
                         return
-                    pool = {"agent": stub.name, "base": 4096, "num_pages": 64, "page_bytes": 737280}
+                    pool = {"agent": stub.name, "base": 4096, "num_pages": 64, "page_bytes": 737280,
+                            "device": 0, "mem": "DRAM"}
                     self._reply(200, {"status": "ready", "room": body["room"], "lease": 1, "pages": [1] * 13,
                                       "first_token": 1, "logprob": 0.0, "pool": pool,
                                       "metadata": base64.b64encode(b"no agent here").decode(),
