@@ -93,7 +93,7 @@ class DeltaKVFetcher:
             self._start(req).task.add_done_callback(lambda _: wakeup())
 
     def answered(self, req: Req) -> bool:
-        """True once waiting any longer for L3 would delay the request: prefill answered, or the handshake failed."""
+        """True once the request could start: prefill answered, or the handshake failed."""
         room = self._rooms.get(req.rid)
         return room is not None and room.task.done()
 

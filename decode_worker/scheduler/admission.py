@@ -35,7 +35,7 @@ class Admission:
         self.wakeup = wakeup  # set when a transfer ends, so the loop applies it at once
         self.page_size = page_size
         self.max_running = max_running
-        self.lookahead = (StorageLookahead(cache, page_size, self.match_key, wakeup, source.answered)
+        self.lookahead = (StorageLookahead(cache, page_size, self.match_key, wakeup)
                           if has_storage(cache) else None)
 
     def look_ahead(self) -> None:

@@ -1,11 +1,13 @@
 """L3 lookahead: the first queued requests look up what the store holds past their L1 + L2 hit and prefetch it
 into L2 while they wait.
 
-The head of the queue waits for its prefetch as the prefetch policy says; then the pages that arrived join the
-tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back restores them with the rest of the
-prefix. A request with a fetch that has not settled is MATCHING. ``best_effort`` waits only while waiting costs the
-request nothing: on a decode worker, until prefill has answered the handshake (the request cannot start before
-that anyway); on a colocated worker, not at all. ``timeout`` and ``wait_complete`` wait up to their deadline.
+The request admission takes next waits for its prefetch as the prefetch policy says; then the pages that arrived
+join the tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back restores them with the rest
+of the prefix. A request with a fetch that has not settled is MATCHING. ``best_effort`` waits only while waiting
+costs the request nothing, which admission sees to: on a decode worker it passes over a request until prefill has
+answered the handshake (the request cannot start before that anyway), so the prefetch lands meanwhile, and then
+``best_effort`` waits no more; on a colocated worker it does not wait at all. ``timeout`` and ``wait_complete`` wait
+up to their deadline.
 """
 from __future__ import annotations
 
@@ -47,13 +49,12 @@ class StorageLookahead:
     """The scheduler's L3 side. ``wakeup`` is set whenever a lookup or prefetch makes progress."""
 
     def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], bytes],
-                 wakeup: asyncio.Event, answered: Callable[[Req], bool]):
+                 wakeup: asyncio.Event):
         self.cache = cache
         self.storage = cache.storage
         self.page_size = page_size
         self.match_key = match_key  # the tokens whose cached KV a request can use
         self.wakeup = wakeup
-        self.answered = answered  # the role's word that waiting longer would delay the request (best_effort)
         self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
 
     def start(self, queue: Iterable[Req]) -> list[Req]:
@@ -110,10 +111,8 @@ class StorageLookahead:
         fetch = req.fetch
         if not fetch.settled:
             waiting = fetch.task is not None and not fetch.task.done()
-            if waiting and self.storage.policy.name == "best_effort":
-                if not self.answered(req):
-                    return False  # the request waits for its peer anyway: let the prefetch land meanwhile
-            elif waiting and asyncio.get_running_loop().time() < fetch.deadline:
+            waits = self.storage.policy.name != "best_effort"  # best_effort: the request could start now
+            if waiting and waits and asyncio.get_running_loop().time() < fetch.deadline:
                 return False  # the deadline is checked here too: the task's own timeout can be lost like a cancel
             self.settle(req, insert=True)
         return True

@@ -28,8 +28,8 @@ class PromptSource(Protocol):
         ...
 
     def answered(self, req: Req) -> bool:
-        """True once waiting any longer for ``req``'s L3 prefetch would delay it (decode: prefill answered or
-        failed). Until then the best_effort prefetch policy lets the prefetch land."""
+        """True once ``req`` could start (decode: prefill answered or the handshake failed). Admission passes over
+        a request until then; its L3 prefetch runs meanwhile."""
         ...
 
     def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:

@@ -172,7 +172,7 @@ def test_lookahead_settled_while_the_store_answers_takes_no_l2_pages():
         record = lambda k: bytes(encode_record(k, LAYOUT.fingerprint(), bytes(LAYOUT.page_bytes)))  # noqa: E731
         store = GatedStore({k: record(k) for k in keys}, gate_exists=True)
         cache = HierarchicalCache(dev, host, storage=StorageTier(store, LAYOUT))
-        lookahead = StorageLookahead(cache, PS, lambda r: tokens, asyncio.Event(), lambda r: True)
+        lookahead = StorageLookahead(cache, PS, lambda r: tokens, asyncio.Event())
         req = SimpleNamespace(fetch=None, seq=SimpleNamespace(output_ids=[]), aborted=None, storage_span=range(0))
         lookahead.start([req])
         await asyncio.sleep(0)  # its task now waits in exists()
