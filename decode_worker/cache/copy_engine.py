@@ -17,6 +17,7 @@ from math import prod
 import torch
 from decode_worker_kernels.page_copy import copy_pages, gather_pages, scatter_pages
 
+from decode_worker.cache.pool import PageIds
 from decode_worker.core.host_memory import pin_in_place
 
 STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes through in chunks
@@ -30,12 +31,12 @@ class CopyEngine:
         self.staging = Staging(device_buffer, staging_bytes, self._stream) if self._stream is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
-    def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> Future:
+    def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
         """L2 -> L1."""
         return self._executor.submit(self._copy, self.host_buffer, self.device_buffer, host_pages, device_pages,
                                      self._caller_event())
 
-    def backup(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> Future:
+    def backup(self, device_pages: PageIds, host_pages: PageIds) -> Future:
         """L1 -> L2."""
         return self._executor.submit(self._copy, self.device_buffer, self.host_buffer, device_pages, host_pages,
                                      self._caller_event())
@@ -52,8 +53,10 @@ class CopyEngine:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
               after: "torch.cuda.Event | None" = None) -> None:
+        # the cache hands over its numpy page ids: torch views of them, made here on the copy thread (no copy)
+        src_pages, dst_pages = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
         if self.staging is None:
             copy_pages(src, dst, src_pages, dst_pages)
             return

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.evictable import RankKey
@@ -137,8 +136,7 @@ class EvictionMixin:
         for node in op.nodes:
             self.tree.lock(node)
         self._draining += len(op.drain)
-        op.future = self.engine.backup(torch.from_numpy(cat_pages([p for _, p in live])),
-                                       torch.from_numpy(cat_pages([n.host_indices for n in op.nodes])))
+        op.future = self.engine.backup(cat_pages([p for _, p in live]), cat_pages([n.host_indices for n in op.nodes]))
         self._pending.append(op)
 
     def evict_host(self, n_pages: int) -> int:

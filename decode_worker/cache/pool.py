@@ -191,7 +191,7 @@ def page_ids(pages: PageIds) -> np.ndarray:
 
     The cache slices, joins and compares small page-id arrays a dozen times per request; on numpy each step
     costs ~0.2 us against 2-3 us on torch, which is most of a request's time in the cache. Torch tensors exist
-    only at the edges (the copy engine, L3, the model runner), which convert with ``torch.from_numpy`` (no copy);
+    only at the edges (the copy engine, L3, the model runner), which take torch views of them (no copy);
     what comes in from there (a torch tensor, the scheduler's lists) converts here.
     """
     if type(pages) is np.ndarray and pages.dtype == np.int64:

@@ -261,12 +261,9 @@ class RadixTree:
         if self.events is not None:
             self.events.removed(node, MEDIUM_GPU)
         pages = node.device_indices
-        if node.host_indices is None:
-            node.device_indices = None
-        else:
-            self._count_host(node, -1)
-            node.device_indices = None
-            self._count_host(node, +1)
+        self._count_host(node, -1)
+        node.device_indices = None
+        self._count_host(node, +1)
         self.device_pages -= len(pages)
         if node.lock_ref:
             self.locked_device_pages -= len(pages)

@@ -16,7 +16,6 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.handles import NO_PAGES, cat_pages
@@ -126,8 +125,7 @@ class TierMixin:
             offset += k
             node.saving = op
             self.tree.lock(node)
-        op.future = self.engine.backup(torch.from_numpy(cat_pages([n.device_indices for n in nodes])),
-                                       torch.from_numpy(host))
+        op.future = self.engine.backup(cat_pages([n.device_indices for n in nodes]), host)
         self._pending.append(op)
 
     def _start_load(self, nodes: list[TreeNode], device_pages: np.ndarray) -> None:
@@ -143,8 +141,7 @@ class TierMixin:
                 deps[node.loading] = None
             node = node.parent
         op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=list(deps))
-        op.future = self.engine.load(torch.from_numpy(cat_pages([n.host_indices for n in nodes])),
-                                     torch.from_numpy(device_pages))
+        op.future = self.engine.load(cat_pages([n.host_indices for n in nodes]), device_pages)
         offset = 0
         for node in nodes:
             n = self.tree.num_pages(node)
