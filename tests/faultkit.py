@@ -168,11 +168,14 @@ class StubPrefill:
 
 class DelayProxy:
     """TCP proxy to a loopback port that can hold every chunk it forwards for ``delay_s``: a store slower than
-    its deadline, without touching the store or the worker. An unreachable upstream closes the client side."""
+    its deadline, without touching the store or the worker. An unreachable upstream closes the client side.
+    ``held`` counts the chunks on their way to the store that were held: the store calls a slow window saw."""
 
     def __init__(self, upstream_port: int):
         self.upstream_port = upstream_port
         self.delay_s = 0.0
+        self.held = 0
+        self._count = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self._open: set[socket.socket] = set()
@@ -193,12 +196,15 @@ class DelayProxy:
                 continue
             self._open |= {client, upstream}
             for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(src, dst, dst is upstream), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, to_store: bool) -> None:
         try:
             while data := src.recv(1 << 16):
                 if self.delay_s:
+                    if to_store:
+                        with self._count:
+                            self.held += 1
                     time.sleep(self.delay_s)
                 dst.sendall(data)
         except OSError:

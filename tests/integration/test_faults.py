@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from decode_worker.pd.decode import handshake_client
 from tests.faultkit import (
     MAX_NEW_TOKENS,
     DelayProxy,
@@ -55,7 +56,6 @@ from tests.faultkit import (
     wait_idle,
     wrong_outputs,
 )
-from decode_worker.pd.decode import handshake_client
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
 from tests.servers import Proc, free_port, start_worker
 
@@ -179,6 +179,15 @@ def storage_failures(c: Cluster, reason: str) -> float:
     return sum(d.metric("decode_worker_storage_failures_total", default=0.0, reason=reason) for d in c.live())
 
 
+async def flush_decodes(c: Cluster) -> dict[str, int | str]:
+    """POST /flush_cache to every running decode: tokens each dropped from L1 + L2, or what it answered instead."""
+    decodes = c.live()
+    async with httpx.AsyncClient() as client:
+        answers = await asyncio.gather(*(client.post(d.url + "/flush_cache", timeout=10) for d in decodes))
+    return {d.name: r.json()["dropped_tokens"] if r.status_code == 200 else f"{r.status_code} {r.text}"
+            for d, r in zip(decodes, answers)}
+
+
 def _max(xs: list[float]) -> float | None:
     return round(max(xs), 2) if xs else None
 
@@ -275,26 +284,34 @@ async def redis_restart(c: Cluster, rng: random.Random, scale: float) -> Episode
 
 
 async def slow_store(c: Cluster, rng: random.Random, scale: float) -> Episode:
-    """Every byte to and from the store is held past the L3 deadline for a while: requests go on without it."""
+    """Every byte to and from the store is held past the L3 deadline for a while: requests go on without it.
+
+    The window opens with each decode's L1 + L2 flushed (as after a restart; L3 keeps its pages). Without that,
+    a schedule that has already sent every prompt finds all their pages in L1 + L2: no request looks past its
+    L1 + L2 hit and no node is new, so nothing asks the store and it never gets the chance to be slow. Flushed,
+    the window's requests look their prefixes up in L3 and new nodes are backed up to it."""
     at, slow_for = rng.uniform(1, 3) * scale, rng.uniform(3, 5) * scale
-    before = storage_failures(c, "timeout")
+    before, held = storage_failures(c, "timeout"), c.proxy.held
     window: dict[str, float] = {}
+    flushed: dict[str, int | str] = {}
 
     async def slow() -> None:
         await asyncio.sleep(at)
         window["from"], c.proxy.delay_s = time.monotonic(), STORE_DELAY_S
-        await asyncio.sleep(slow_for)
+        flushed.update(await flush_decodes(c))
+        await asyncio.sleep(window["from"] + slow_for - time.monotonic())
         window["to"], c.proxy.delay_s = time.monotonic(), 0.0
 
     outcomes = await flow(c.mix(), c, rng.getrandbits(32), at + slow_for + 3 * scale, slow())
     ep = Episode("slow_store", outcomes)
-    timeouts = storage_failures(c, "timeout") - before
+    ep.problems += [f"{name}: /flush_cache {answer}" for name, answer in flushed.items() if isinstance(answer, str)]
+    timeouts, held = storage_failures(c, "timeout") - before, c.proxy.held - held
     if timeouts == 0:
-        ep.problems.append("no store call timed out: the slow store never bit")
+        ep.problems.append(f"no store call timed out ({held} chunks to the store held): the slow store never bit")
     during = [o.latency for o in outcomes if o.status == 200 and window["from"] <= o.started <= window["to"]]
     others = [o.latency for o in outcomes if o.status == 200 and not window["from"] <= o.started <= window["to"]]
-    ep.figures.update(store_timeouts=timeouts, slow_for_s=round(slow_for, 1), max_latency_slow_s=_max(during),
-                      max_latency_else_s=_max(others))
+    ep.figures.update(store_timeouts=timeouts, store_chunks_held=held, flushed_tokens=flushed,
+                      slow_for_s=round(slow_for, 1), max_latency_slow_s=_max(during), max_latency_else_s=_max(others))
     return ep
 
 
