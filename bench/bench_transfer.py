@@ -1,11 +1,16 @@
-"""The PD data path between two processes: decode READs delta pages straight from prefill's registered KV pool.
+"""The PD data path between two processes: decode copies delta pages straight out of prefill's KV pool.
 
-This process is the decode side; it spawns itself with ``--role prefill``, which registers a pool of known bytes
-(``transfer/agent.py``'s ``KVAgent``, as a prefill worker does) and serves reads. Each step times what a PD request
-waits for once prefill has answered the handshake: ``KVAgent.read`` of the delta's pages, at random indices in both
-pools, from its call until every byte is in decode's pool (the path ``pd/decode.py`` takes; reads of 2 MB and more
-are posted from the copy thread). Bytes are checked after every step. ``pd_path_runs`` times the same read of a
-run of consecutive pages on both sides, as fresh allocations mostly are: the library merges them into one copy.
+This process is the decode side; it spawns itself with ``--role prefill``, which allocates a shared pool of known
+bytes and registers it (``transfer/agent.py``'s ``KVAgent``, as a prefill worker does) and serves reads. Each step
+times what a PD request waits for once prefill has answered the handshake: ``KVAgent.read`` of the delta's pages,
+at random indices in both pools, from its call until every byte is in decode's pool (the path ``pd/decode.py``
+takes; reads of 2 MB and more run on the copy thread). Bytes are checked after every step.
+
+Both processes run on this host, so ``pd_path`` is the same-host path a decode worker takes by default: prefill's
+pool mapped read-only, pages copied with memcpy (``core/shared_memory.py``). ``pd_path_nixl`` times the same read
+over NIXL's UCX backend, the path between hosts (here UCX copies with CMA, ``process_vm_readv``), as a decode
+worker with ``DECODE_WORKER_PD_SHARED_MEMORY=off`` would. ``pd_path_runs`` times a default read of a run of
+consecutive pages on both sides, as fresh allocations mostly are: one copy for the whole run.
 
 Two baselines in the same run, each timed once after every transfer step so all three see the same machine
 (absolute speeds on this shared 2-core machine drift 2-3x within minutes: compare the ratios):
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,9 +69,9 @@ POOL_BYTES = 160 << 20  # per side and layout: room for 64 MB at random indices
 EVICT_BYTES = 64 << 20  # twice the L3
 
 
-def pool_of(layout: KVLayout, seed: int | None) -> KVPool:
+def pool_of(layout: KVLayout, seed: int | None, shared: bool = False) -> KVPool:
     """A host pool of ``POOL_BYTES``; with ``seed``, filled with bytes both processes can regenerate."""
-    pool = KVPool(layout, POOL_BYTES // layout.page_bytes)
+    pool = KVPool(layout, POOL_BYTES // layout.page_bytes, shared=shared)
     if seed is not None:
         pool.buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(seed))
     return pool
@@ -74,8 +80,8 @@ def pool_of(layout: KVLayout, seed: int | None) -> KVPool:
 def serve(args: argparse.Namespace) -> None:
     """Prefill: register one seeded pool per layout, print what decode needs to read them, and drive progress (and
     count release notifications) until decode closes our stdin."""
-    agents = {name: KVAgent(pool_of(layout, seed).buffer, "prefill")
-              for seed, (name, layout) in enumerate(LAYOUTS.items(), 1)}
+    pools = {name: pool_of(layout, seed, shared=True) for seed, (name, layout) in enumerate(LAYOUTS.items(), 1)}
+    agents = {name: KVAgent(pool.buffer, "prefill", pool.shared) for name, pool in pools.items()}
     print(json.dumps({name: {"metadata": base64.b64encode(a.metadata()).decode(), "pool": a.pool.to_dict()}
                       for name, a in agents.items()}), flush=True)
     done, released = threading.Event(), 0
@@ -96,27 +102,32 @@ async def measure(args: argparse.Namespace) -> dict:
         pool = pool_of(layout, None)
         agent = KVAgent(pool.buffer, "decode")
         peer = agent.add_peer(base64.b64decode(peers[name]["metadata"]), PoolDescriptor.from_dict(peers[name]["pool"]))
+        if peer.mapped is None:
+            raise SystemExit(f"{name}: prefill's pool could not be mapped, see the log")
+        over_nixl = replace(peer, mapped=None)  # the same peer, read as from another host
         reference = pool_of(layout, seed).buffer  # prefill's bytes, to check each read against
         rng = torch.Generator().manual_seed(seed)
         rows = {}
         for mb in SIZES_MB:
             n_pages = max(1, (mb << 20) // layout.page_bytes)
-            times: dict[str, list[float]] = {"pd_path": [], "pd_path_runs": [], "page_copy": [], "page_loop": [],
-                                             "memcpy": []}
+            times: dict[str, list[float]] = {"pd_path": [], "pd_path_nixl": [], "pd_path_runs": [], "page_copy": [],
+                                             "page_loop": [], "memcpy": []}
             src, dst = bytes_of(n_pages * layout.page_bytes), bytes_of(n_pages * layout.page_bytes)
             for step in range(WARMUP + args.reps):
-                theirs, ours = (torch.randperm(pool.num_pages, generator=rng)[:n_pages] for _ in range(2))
-                evict()
-                t0 = time.perf_counter()
-                await agent.read(step, peer, ours.tolist(), theirs.tolist(), asyncio.get_running_loop().time() + 60)
-                elapsed = time.perf_counter() - t0
-                agent.notify(peer.name, b"release")  # as pd/decode.py does, after the read: not on its path
-                reads += 1
-                if not torch.equal(pool.page_data(ours).view(torch.uint8), reference[theirs].view(torch.uint8)):
-                    raise SystemExit(f"{name} {mb} MB: bytes read differ from prefill's")
+                for path, via in (("pd_path", peer), ("pd_path_nixl", over_nixl)):
+                    theirs, ours = (torch.randperm(pool.num_pages, generator=rng)[:n_pages] for _ in range(2))
+                    evict()
+                    t0 = time.perf_counter()
+                    await agent.read(step, via, ours.tolist(), theirs.tolist(), asyncio.get_running_loop().time() + 60)
+                    elapsed = time.perf_counter() - t0
+                    agent.notify(peer.name, b"release")  # as pd/decode.py does, after the read: not on its path
+                    reads += 1
+                    if not torch.equal(pool.page_data(ours).view(torch.uint8), reference[theirs].view(torch.uint8)):
+                        raise SystemExit(f"{name} {mb} MB {path}: bytes read differ from prefill's")
+                    if step >= WARMUP:
+                        times[path].append(elapsed)
                 if step < WARMUP:
                     continue
-                times["pd_path"].append(elapsed)
                 start_theirs, start_ours = (int(torch.randint(pool.num_pages - n_pages + 1, (1,), generator=rng))
                                             for _ in range(2))
                 evict()
@@ -141,6 +152,9 @@ async def measure(args: argparse.Namespace) -> dict:
                                "page_loop_gbps": round(gbps["page_loop"], 2),
                                "ratio_vs_page_loop": round(gbps["pd_path"] / gbps["page_loop"], 2),
                                "ratio_vs_memcpy": round(gbps["pd_path"] / gbps["memcpy"], 2),
+                               "pd_path_nixl_ms": round(statistics.median(times["pd_path_nixl"]) * 1e3, 3),
+                               "nixl_ratio_vs_page_copy": round(gbps["pd_path_nixl"] / gbps["page_copy"], 2),
+                               "nixl_ratio_vs_memcpy": round(gbps["pd_path_nixl"] / gbps["memcpy"], 2),
                                "pd_path_runs_ms": round(statistics.median(times["pd_path_runs"]) * 1e3, 3),
                                "runs_ratio_vs_page_copy": round(gbps["pd_path_runs"] / gbps["page_copy"], 2)}
         agent.close()
@@ -178,8 +192,10 @@ def main() -> None:
     if args.role == "prefill":
         serve(args)
         return
-    result = {"bench": "kv_transfer", "data_plane": "NIXL READ (UCX backend), pool to pool", "reps": args.reps,
-              "stat": "median", "pd_path": "KVAgent.read of random pages into random pages, bytes checked",
+    result = {"bench": "kv_transfer", "reps": args.reps, "stat": "median",
+              "pd_path": "KVAgent.read of random pages into random pages, bytes checked: prefill's pool mapped "
+                         "(same host, the default)",
+              "pd_path_nixl": "the same read over NIXL READ (UCX backend, CMA here), as between hosts",
               "page_copy": "random pages inside one pool, 1 thread", "memcpy": "contiguous copy_, 1 thread",
               **uvloop.run(measure(args))}
     print(json.dumps(result))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decode_worker.core.shared_memory import SharedRegion, shared_zeros
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -65,14 +67,22 @@ class KVLayout:
 class KVPool:
     """Fixed-size paged KV buffer. Page 0 of a device pool is a scratch page (padding writes go there)."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", pin_memory: bool = False):
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", pin_memory: bool = False,
+                 shared: bool = False):
+        """``shared``: a host pool other processes on this host may map (``core/shared_memory.py``), as a prefill
+        worker's is, so its decode peers copy pages out of it directly; ``self.shared`` then says where it is."""
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
+        self.shared: SharedRegion | None = None
         # Not huge pages (see core/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
         # here runs at ~0.8 GB/s against ~4 GB/s for 4 KB ones, which would slow start-up by seconds for a pool
-        # of a few GB (torch.zeros touches it all now, so requests never pay for the faults).
-        self.buffer = torch.zeros(layout.pages_shape(num_pages), dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
+        # of a few GB (both allocations fault every page in now, so requests never pay for the faults).
+        if shared and self.device.type == "cpu" and not pin_memory:
+            self.buffer, self.shared = shared_zeros(layout.pages_shape(num_pages), layout.dtype, owner=self)
+        else:
+            self.buffer = torch.zeros(layout.pages_shape(num_pages), dtype=layout.dtype, device=self.device,
+                                      pin_memory=pin_memory)
 
     @property
     def page_size(self) -> int:

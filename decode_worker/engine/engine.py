@@ -57,7 +57,8 @@ class Engine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         loaded = load_model(path, dtype=getattr(torch, cfg.dtype), device=device)
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, cfg.max_total_tokens, cfg.page_size, cfg.cuda_graph_max_bs)
+        self.runner = ModelRunner(loaded, cfg.max_total_tokens, cfg.page_size, cfg.cuda_graph_max_bs,
+                                  shared_pool=cfg.role == "prefill")  # its decode peers on this host map it
         host_pool = None
         if cfg.disaggregation_decode_enable_hicache:
             pages = host_pool_pages(self.runner.layout, self.runner.num_pages - 1,

@@ -80,7 +80,7 @@ def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVF
 
     for warning in unused_ucx_flags(cfg):
         log.warning(warning)
-    agent = KVAgent(pool.buffer, cfg.role)
+    agent = KVAgent(pool.buffer, cfg.role, pool.shared)
     if cfg.role == "decode":
         from decode_worker.pd.decode import DeltaKVFetcher
 

@@ -12,7 +12,9 @@ from decode_worker.model.sampler import SampleResult, Shaping, sample
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_total_tokens: int, page_size: int, cuda_graph_max_bs: int = 0):
+    def __init__(self, loaded: LoadedModel, max_total_tokens: int, page_size: int, cuda_graph_max_bs: int = 0,
+                 shared_pool: bool = False):
+        """``shared_pool``: a host KV pool other processes on this host may map (a prefill worker's)."""
         self.loaded = loaded
         self.config = loaded.config
         self.model = loaded.model
@@ -29,7 +31,7 @@ class ModelRunner:
         )
         # One extra page: page 0 is the scratch page that padded decode rows write to.
         self.num_pages = max_total_tokens // page_size + 1
-        self.pool = KVPool(self.layout, self.num_pages, self.device)
+        self.pool = KVPool(self.layout, self.num_pages, self.device, shared=shared_pool)
         max_pages = min(self.config.max_context // page_size + 1, self.num_pages)
         self.rows = PageTableRows(max_pages, self.device)  # running requests' pages, kept on the device
         self.graphs = None

@@ -11,10 +11,16 @@ takes 0.25 ms alone), and the request would wait for it.
 Progress is driven by our calls (no NIXL progress thread: it would spin on one of two cores). Over shared memory
 UCX copies with CMA inside the post call itself, so a read of ``INLINE_BYTES`` or more is posted from a copy thread
 and the event loop keeps serving. Measured with ``bench/bench_transfer.py``.
+
+A peer on the same host whose pool is shared (``core/shared_memory.py``) is mapped read-only once, and its pages
+are copied out with memcpy instead: CMA pins every 4 KB page it copies and takes ~3x as long. Only our own copy
+writes our pages on that path too, and once the peer's process exits its mapping is dropped, so reads fail as
+``peer_lost`` exactly as over NIXL. ``DECODE_WORKER_PD_SHARED_MEMORY=off`` keeps every read on NIXL.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import uuid
@@ -27,6 +33,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's own handler prints INF
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
+
+from decode_worker.core.shared_memory import MappedRegion, SharedRegion, map_region  # noqa: E402
 
 from .descriptors import PoolDescriptor  # noqa: E402
 
@@ -43,6 +51,15 @@ POLL_S = 0.0005
 """Polling period of a read the post did not finish (a transport that completes asynchronously)."""
 RETIRE_S = 5.0
 """How long a read that could not be cancelled may take to end before the read fails as ``unstoppable``."""
+SHARED_MEMORY_ENV = "DECODE_WORKER_PD_SHARED_MEMORY"
+"""``off`` (or ``false``, ``0``, ``no``): never map a peer's pool, read every page over NIXL. Default ``on``."""
+
+
+def shared_memory_enabled() -> bool:
+    value = os.environ.get(SHARED_MEMORY_ENV, "").strip().lower() or "on"
+    if value not in ("on", "1", "true", "yes", "off", "0", "false", "no"):
+        raise ValueError(f"{SHARED_MEMORY_ENV} must be on or off (or true/false, 1/0, yes/no), not {value!r}")
+    return value in ("on", "1", "true", "yes")
 
 
 class TransferError(Exception):
@@ -64,21 +81,26 @@ class Peer:
     name: str
     pool: PoolDescriptor
     dlist: object  # nixl_prepped_dlist_handle
+    mapped: MappedRegion | None = None  # its pool, mapped read-only here: pages are copied without NIXL
+    connected: bool = False  # a NIXL read reached it, so notifications to it go out at once
 
 
 class KVAgent:
     """This worker's NIXL agent over its KV pool ``buffer`` (registered as host or device memory)."""
 
-    def __init__(self, buffer: torch.Tensor, role: str):
+    def __init__(self, buffer: torch.Tensor, role: str, shared: SharedRegion | None = None):
+        """``shared``: where peers on this host can map ``buffer`` (a shared ``KVPool``'s ``shared``)."""
         self.name = f"{role}-{uuid.uuid4().hex[:12]}"
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)  # the copy thread posts too
         self.agent = nixl_agent(self.name, config)
-        self.pool = PoolDescriptor.of(self.name, buffer)
+        self.pool = PoolDescriptor.of(self.name, buffer, shared)
         self._buffer = buffer  # registered memory must outlive its registration
         self._registered = self.agent.register_memory([buffer])
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.pool.table(), self.pool.mem)
         self._peers: dict[str, Peer] = {}
+        self._map_peers = shared_memory_enabled()  # a bad value stops the worker at start, naming the variable
+        self._scratch: tuple | None = None  # a registered page for ``_connect``'s test reads, made on first use
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
 
     def metadata(self) -> bytes:
@@ -98,14 +120,66 @@ class KVAgent:
             raise ValueError(f"peer metadata names agent {name!r}, its pool names {pool.agent!r}")
         dlist = self.agent.prep_xfer_dlist(name, pool.table(), pool.mem)
         self._peers[name] = peer = Peer(name, pool, dlist)
+        self._map(peer)
         return peer
 
     def drop_peer(self, name: str) -> None:
         """Forget a peer that was replaced (a restarted prefill has a new agent)."""
         peer = self._peers.pop(name, None)
         if peer is not None:
+            self._unmap(peer)
             peer.dlist.release()
             self.agent.remove_remote_agent(name)
+
+    def _map(self, peer: Peer) -> None:
+        """Map the peer's pool if it shares one on this host, and drop the mapping as soon as the peer exits (the
+        mapping would otherwise keep a dead worker's whole pool in memory)."""
+        region = peer.pool.shared
+        if region is None or "VRAM" in (peer.pool.mem, self.pool.mem) or not self._map_peers:
+            return
+        if region.nbytes != peer.pool.num_pages * peer.pool.page_bytes:
+            peer.mapped, why = None, f"its shared region of {region.nbytes} bytes is not its pool"
+        else:
+            peer.mapped, why = map_region(region, peer.pool.page_bytes)
+        if peer.mapped is None:
+            logger.info("peer %s shares its KV pool, but it is read over NIXL: %s", peer.name, why)
+            return
+        logger.info("peer %s is on this host: its KV pages are copied from its shared pool", peer.name)
+        try:
+            asyncio.get_running_loop().add_reader(peer.mapped.pidfd, self._unmap, peer)
+        except RuntimeError:  # no loop here: reads check for the peer's exit themselves
+            pass
+
+    async def _connect(self, room: int, peer: Peer, deadline: float) -> bool:
+        """Read the peer's page 0 into a private page once, before the first copy from its mapping, so the
+        connection is up for the release notification that follows: UCX connects lazily, and a notification sent
+        before that waits for our next progress call, which a mapped peer's reads never make (prefill would then
+        hold the pages until its lease ran out)."""
+        if self._scratch is None:
+            page = torch.empty(self.pool.page_bytes, dtype=torch.uint8)
+            self._scratch = (page, self.agent.register_memory([page]),
+                             self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(page.data_ptr(), page.numel(), 0)], "DRAM"))
+        try:
+            handle = self.agent.make_prepped_xfer("READ", self._scratch[2], [0], peer.dlist, [0])
+        except Exception as e:  # nixl raises its own error types for an unknown or lost peer
+            logger.debug("test read of %s: %r", peer.name, e)
+            return False
+        state = self._post(handle)
+        while state == "PROC" and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(POLL_S)
+            state = self._state(handle)
+        await self._retire(room, handle, state)  # one that cannot be stopped writes only our scratch page
+        return state == "DONE"
+
+    def _unmap(self, peer: Peer) -> None:
+        if peer.mapped is None:
+            return
+        try:
+            asyncio.get_running_loop().remove_reader(peer.mapped.pidfd)
+        except RuntimeError:
+            pass
+        peer.mapped.close()
+        peer.mapped = None
 
     async def read(self, room: int, peer: Peer, into: list[int], source: list[int], deadline: float) -> None:
         """Copy ``peer``'s pool pages ``source`` into our pages ``into``.
@@ -118,6 +192,20 @@ class KVAgent:
                                                        f"{len(into)} of {self.pool.page_bytes}")
         loop = asyncio.get_running_loop()
         ours, theirs = self.pool.indices(into), peer.pool.indices(source)  # ValueError for a page outside a pool
+        if peer.mapped is not None and peer.mapped.owner_exited():
+            self._unmap(peer)  # it died: fail as a NIXL read of a dead peer does, without its memory
+        if peer.mapped is not None and not peer.connected:
+            peer.connected = await self._connect(room, peer, deadline)
+            if not peer.connected:
+                self._unmap(peer)
+                logger.info("peer %s: a test read of one page failed, so its pages are read over NIXL", peer.name)
+        if peer.mapped is not None:
+            copy = (self._copy_mapped, peer.mapped.pages, ours, theirs)
+            if len(into) * self.pool.page_bytes < INLINE_BYTES:
+                copy[0](*copy[1:])
+            else:
+                await run_to_the_end(loop.run_in_executor(self._copier, *copy))
+            return
         try:
             handle = self.agent.make_prepped_xfer("READ", self._local, ours, peer.dlist, theirs)
         except Exception as e:  # nixl raises its own error types for an unknown or lost peer
@@ -159,6 +247,21 @@ class KVAgent:
             self.drop_peer(name)
         self._local.release()
         self.agent.deregister_memory(self._registered)
+        if self._scratch is not None:
+            self._scratch[2].release()
+            self.agent.deregister_memory(self._scratch[1])
+
+    def _copy_mapped(self, theirs: torch.Tensor, into: list[int], source: list[int]) -> None:
+        """Copy pages out of a peer's mapped pool, one memmove per run of pages consecutive on both sides: ~1 us a
+        call against ~4 us for ``copy_``, which may also wake torch's thread pool. Both page lists are checked."""
+        size, ours, base = self.pool.page_bytes, self._buffer.data_ptr(), theirs.data_ptr()
+        start, n = 0, len(into)
+        while start < n:
+            end = start + 1
+            while end < n and into[end] == into[start] + end - start and source[end] == source[start] + end - start:
+                end += 1
+            ctypes.memmove(ours + into[start] * size, base + source[start] * size, (end - start) * size)
+            start = end
 
     def _post(self, handle) -> str:
         try:

@@ -3,7 +3,8 @@
 A pool is page-major (``buffer[page, ...]``, see ``cache/pool.py``): one page, every layer with K and V, is one
 contiguous run of ``page_bytes``, so the pool's descriptor list is one descriptor per page, in page order. The pool
 is registered once as one region and its list prepared once per side: a transfer then names pages by index only,
-one descriptor each, and the transfer library merges consecutive pages into one copy.
+one descriptor each, and the transfer library merges consecutive pages into one copy. A pool a peer on the same
+host can map (``core/shared_memory.py``) says where, so that peer copies its pages without the library.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+
+from decode_worker.core.shared_memory import SharedRegion
 
 
 @dataclass(frozen=True)
@@ -23,22 +26,25 @@ class PoolDescriptor:
     page_bytes: int  # one page, all layers, K and V; also the distance between two pages
     device: int = 0  # GPU index; 0 for host memory
     mem: str = "DRAM"  # or "VRAM"
+    shared: SharedRegion | None = None  # where a process on the same host can map the pool
 
     @classmethod
-    def of(cls, agent: str, buffer: torch.Tensor) -> PoolDescriptor:
+    def of(cls, agent: str, buffer: torch.Tensor, shared: SharedRegion | None = None) -> PoolDescriptor:
         if not buffer.is_contiguous():
             raise ValueError("a KV pool must be contiguous to be registered")
         num_pages = buffer.shape[0]
         on_gpu = buffer.device.type == "cuda"
         return cls(agent, buffer.data_ptr(), num_pages, buffer.numel() * buffer.element_size() // num_pages,
-                   buffer.get_device() if on_gpu else 0, "VRAM" if on_gpu else "DRAM")
+                   buffer.get_device() if on_gpu else 0, "VRAM" if on_gpu else "DRAM", shared)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> PoolDescriptor:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        shared = d.get("shared")  # absent from a peer that cannot share its pool
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k != "shared"},
+                   shared=SharedRegion.from_dict(shared) if shared else None)
 
     def table(self) -> np.ndarray:
         """Every page as an ``[address, bytes, device]`` row, row ``i`` holding page ``i``."""

@@ -76,6 +76,24 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
     assert received == b["meta_info"]["prompt_tokens"] - cached  # exactly the delta
     assert b["output_ids"] == reference(colocated, text_b)
     wait_pages_free(decode)
+    assert "its KV pages are copied from its shared pool" in decode.log.read_text()  # same host: the mapped path
+
+
+def test_pd_over_nixl_when_mapping_is_off(logs, prefill, colocated):
+    """The path between hosts, taken here by turning the same-host mapping off: same output, delta only."""
+    decode = start_worker("decode-nixl", logs, "decode", "--disaggregation-decode-enable-radix-cache",
+                          env={**TOKEN, "DECODE_WORKER_PD_SHARED_MEMORY": "off"})
+    try:
+        text = PROMPT + "Question C: which roads lasted?"
+        before = decode.metric("decode_worker_kv_received_tokens_total")
+        resp = pd_generate(prefill, decode, {"text": text, "sampling_params": GREEDY}, next(rooms))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["output_ids"] == reference(colocated, text)
+        assert decode.metric("decode_worker_kv_received_tokens_total") - before == resp.json()["meta_info"]["prompt_tokens"]
+        assert "copied from its shared pool" not in decode.log.read_text()
+        wait_pages_free(decode)
+    finally:
+        decode.stop()
 
 
 def test_full_prefix_hit_still_gets_the_first_token(prefill, decode, colocated):

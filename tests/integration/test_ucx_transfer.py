@@ -1,8 +1,10 @@
-"""The NIXL data plane (UCX backend) between two real processes: decode reads pages from a peer's registered pool.
+"""The PD data plane between two real processes: decode reads pages from a peer's registered pool.
 
 The peer is a child process with a ``KVAgent`` over a pool of seeded bytes, as a prefill worker has; it prints its
 metadata and every notification it receives. Reads must land exactly the pages asked for, notify the peer once
-they landed, and fail fast and cleanly (never a write after the read returned) when the peer dies.
+they landed, and fail fast and cleanly (never a write after the read returned) when the peer dies. Every test runs
+on both paths: ``nixl`` (the peer's pool is private, so reads go over NIXL's UCX backend, as between hosts) and
+``mapped`` (the peer shares its pool, as a prefill worker does, so decode on this host maps it and copies).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
-from decode_worker.transfer.agent import KVAgent, TransferError
+from decode_worker.transfer.agent import SHARED_MEMORY_ENV, KVAgent, TransferError
 from decode_worker.transfer.descriptors import PoolDescriptor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +36,9 @@ PEER = """
 import base64, json, sys, threading, time, torch
 from decode_worker.cache.pool import KVPool
 from tests.integration.test_ucx_transfer import LAYOUT, seeded
-pages = int(sys.argv[1])
-agent = __import__("decode_worker.transfer.agent", fromlist=["KVAgent"]).KVAgent(seeded(pages).buffer, "peer")
+pages, shared = int(sys.argv[1]), sys.argv[2] == "mapped"
+pool = seeded(pages, shared)
+agent = __import__("decode_worker.transfer.agent", fromlist=["KVAgent"]).KVAgent(pool.buffer, "peer", pool.shared)
 print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "pool": agent.pool.to_dict()}), flush=True)
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
@@ -46,8 +49,8 @@ while not done.is_set():
 """
 
 
-def seeded(pages: int) -> KVPool:
-    pool = KVPool(LAYOUT, pages)
+def seeded(pages: int, shared: bool = False) -> KVPool:
+    pool = KVPool(LAYOUT, pages, shared=shared)
     pool.buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(SEED))
     return pool
 
@@ -58,9 +61,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class PeerProcess:
-    def __init__(self, pages: int = PAGES):
+    def __init__(self, pages: int = PAGES, path: str = "nixl"):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(pages)], stdin=subprocess.PIPE,
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(pages), path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         hello = json.loads(self.proc.stdout.readline())
         self.metadata, self.pool = base64.b64decode(hello["metadata"]), PoolDescriptor.from_dict(hello["pool"])
@@ -74,16 +78,19 @@ class PeerProcess:
             self.proc.wait(10)
 
 
-@pytest.fixture
-def peer():
-    p = PeerProcess()
+PATHS = ("nixl", "mapped")
+
+
+@pytest.fixture(params=PATHS)
+def peer(request):
+    p = PeerProcess(PAGES, request.param)
     yield p
     p.close()
 
 
-@pytest.fixture
-def big_peer():
-    p = PeerProcess(BIG_PAGES)
+@pytest.fixture(params=PATHS)
+def big_peer(request):
+    p = PeerProcess(BIG_PAGES, request.param)
     yield p
     p.close()
 
@@ -94,7 +101,9 @@ def decode_side(peer: PeerProcess, pages: int = PAGES):
     pool = KVPool(LAYOUT, pages)
     agent = KVAgent(pool.buffer, "decode")
     try:
-        yield pool, agent, agent.add_peer(peer.metadata, peer.pool)
+        remote = agent.add_peer(peer.metadata, peer.pool)
+        assert (remote.mapped is not None) == (peer.path == "mapped")  # the path the test is about is taken
+        yield pool, agent, remote
     finally:
         agent.close()
 
@@ -178,3 +187,54 @@ def test_mismatched_page_lists_are_refused_before_anything_moves(peer):
         with pytest.raises(ValueError, match="outside"):
             read(agent, remote, [PAGES], [0])
         assert int(pool.buffer.count_nonzero()) == 0
+
+
+def test_a_mapped_peer_that_exits_is_unmapped_without_waiting_for_a_read():
+    """Its whole pool stays in memory while mapped: the mapping goes as soon as the peer's process does."""
+    peer = PeerProcess(PAGES, "mapped")
+    with decode_side(peer) as (_, agent, _):
+        async def go():
+            remote = agent.add_peer(peer.metadata, peer.pool)  # again, under a running loop, which watches the peer
+            assert remote.mapped is not None
+            peer.proc.kill()
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 5
+            while remote.mapped is not None and loop.time() < give_up:
+                await asyncio.sleep(0.01)
+            return remote.mapped
+        agent.drop_peer(agent.peer(peer.pool.agent).name)
+        assert asyncio.run(go()) is None
+
+
+def test_mapping_can_be_turned_off_and_a_bad_setting_is_refused(monkeypatch):
+    peer = PeerProcess(PAGES, "mapped")
+    try:
+        monkeypatch.setenv(SHARED_MEMORY_ENV, "off")
+        pool = KVPool(LAYOUT, PAGES)
+        agent = KVAgent(pool.buffer, "decode")
+        remote = agent.add_peer(peer.metadata, peer.pool)
+        assert remote.mapped is None
+        read(agent, remote, [4, 5], [9, 200])
+        assert same_bytes(pool.buffer[[4, 5]], seeded(PAGES).buffer[[9, 200]])
+        agent.close()
+        monkeypatch.setenv(SHARED_MEMORY_ENV, "sometimes")
+        with pytest.raises(ValueError, match=SHARED_MEMORY_ENV):
+            KVAgent(pool.buffer, "decode")
+    finally:
+        peer.close()
+
+
+def test_a_mapped_peer_is_copied_from_without_nixl_once_connected():
+    """The first read connects with one test read over NIXL (so the release notification goes out at once); every
+    read copies out of the mapping, so reads still land with NIXL's reads broken."""
+    peer = PeerProcess(PAGES, "mapped")
+    try:
+        with decode_side(peer) as (pool, agent, remote):
+            read(agent, remote, [1], [2])
+            assert remote.connected
+            agent.agent.make_prepped_xfer = None  # a NIXL read from here on would raise
+            read(agent, remote, [3, 4, 5], [10, 11, 12])
+            assert same_bytes(pool.buffer[[1, 3, 4, 5]], seeded(PAGES).buffer[[2, 10, 11, 12]])
+            assert agent.notify(remote.name, b"release 9 9") and peer.next_notification() == "release 9 9"
+    finally:
+        peer.close()

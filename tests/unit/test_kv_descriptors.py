@@ -1,6 +1,8 @@
 """A registered pool's page descriptors name exactly the bytes of each page, and page lists pair up row by row."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,3 +60,12 @@ def test_pages_outside_the_pool_and_odd_buffers_are_refused(pool):
 def test_descriptor_survives_the_handshake_json(pool):
     desc = PoolDescriptor.of("a", pool.buffer)
     assert PoolDescriptor.from_dict(desc.to_dict()) == desc
+
+
+def test_a_shared_pool_descriptor_says_where_to_map_it_and_survives_the_json():
+    shared = KVPool(LAYOUT, 10, shared=True)
+    desc = PoolDescriptor.of("a", shared.buffer, shared.shared)
+    wire = json.loads(json.dumps(desc.to_dict()))
+    assert PoolDescriptor.from_dict(wire) == desc and desc.shared.nbytes == 10 * LAYOUT.page_bytes
+    del wire["shared"]  # a peer that does not share its pool (or predates sharing) is read over NIXL
+    assert PoolDescriptor.from_dict(wire).shared is None
