@@ -25,8 +25,8 @@ class InsufficientDeviceMemory(RuntimeError):
 
 
 def staging_bytes(cuda_available: bool | None = None) -> int:
-    """Host (and, as much again, device) memory the copy engine's staging takes: none without CUDA, where copies
-    go directly."""
+    """Host (and, as much again, device) memory the copy engine's staging takes: none unless L1 is on CUDA
+    (``cuda_available`` says whether it is; by default, whether CUDA is there), since host pools copy directly."""
     return STAGING_BYTES if (torch.cuda.is_available() if cuda_available is None else cuda_available) else 0
 
 

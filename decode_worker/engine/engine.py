@@ -63,7 +63,8 @@ class Engine:
         if cfg.disaggregation_decode_enable_hicache:
             pages = host_pool_pages(self.runner.layout, self.runner.num_pages - 1,
                                     ratio=cfg.disaggregation_decode_hicache_ratio,
-                                    size_gb=cfg.disaggregation_decode_hicache_size or None)
+                                    size_gb=cfg.disaggregation_decode_hicache_size or None,
+                                    cuda_available=self.runner.pool.device.type == "cuda")  # staging only then
             host_pool = make_host_pool(self.runner.layout, pages, self.runner.pool)
         # L3 backs up what reaches L2; under write_through_selective only pages hit twice, as L2 itself does.
         write_policy = cfg.disaggregation_decode_hicache_write_policy
