@@ -200,11 +200,11 @@ class KVAgent:
                 self._unmap(peer)
                 logger.info("peer %s: a test read of one page failed, so its pages are read over NIXL", peer.name)
         if peer.mapped is not None:
-            copy = (self._copy_mapped, peer.mapped.pages, ours, theirs)
+            pages = peer.mapped.pages  # held by the copy, so the mapping outlives it even if the peer exits now
             if len(into) * self.pool.page_bytes < INLINE_BYTES:
-                copy[0](*copy[1:])
+                self._copy_mapped(pages, ours, theirs)
             else:
-                await run_to_the_end(loop.run_in_executor(self._copier, *copy))
+                await run_to_the_end(loop.run_in_executor(self._copier, self._copy_mapped, pages, ours, theirs))
             return
         try:
             handle = self.agent.make_prepped_xfer("READ", self._local, ours, peer.dlist, theirs)
