@@ -120,10 +120,22 @@ def map_region(region: SharedRegion, page_bytes: int) -> tuple[MappedRegion | No
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: that is the point
         warnings.simplefilter("ignore", UserWarning)
         mapping.pages = torch.frombuffer(memory, dtype=torch.uint8).view(-1, page_bytes)
-    pages = mapping.pages  # held by the thread, so the mapping outlives its populating
-    threading.Thread(target=lambda: _madvise(pages.data_ptr(), region.nbytes, MADV_POPULATE_READ),
-                     name="kv-map-populate", daemon=True).start()  # page-table entries, off the caller's path
+    threading.Thread(target=_populate, args=(mapping.pages,), name="kv-map-populate", daemon=True).start()
     return mapping, ""
+
+
+POPULATE_CHUNK = 8 << 20
+"""Bytes of a mapping's page-table entries filled per call: each call holds our address space's lock, and a whole
+GB-sized pool in one call held it long enough to delay the first read by ~0.17 s (UCX takes the lock too)."""
+
+
+def _populate(pages: torch.Tensor) -> None:
+    """Fill a new mapping's page-table entries ahead of the reads (which would otherwise fault on every 4 KB page
+    they touch first), a chunk at a time, off the caller's path. Holding ``pages`` keeps the mapping alive."""
+    base, nbytes = pages.data_ptr(), pages.numel()
+    for offset in range(0, nbytes, POPULATE_CHUNK):
+        if _madvise(base + offset, min(POPULATE_CHUNK, nbytes - offset), MADV_POPULATE_READ) != 0:
+            return  # an older kernel: reads fault the pages in instead
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> int:
