@@ -84,7 +84,7 @@ class MappedRegion:
     pidfd: int
 
     def owner_exited(self) -> bool:
-        return bool(select.select([self.pidfd], [], [], 0)[0])
+        return _exited(self.pidfd)
 
     def close(self) -> None:
         """Forget the mapping: it is unmapped once no copy still holds ``pages``."""
@@ -110,18 +110,25 @@ def map_region(region: SharedRegion, page_bytes: int) -> tuple[MappedRegion | No
         return None, f"its memory file cannot be opened here ({e.strerror})"
     try:
         st = os.fstat(fd)
-        mapping = MappedRegion(torch.empty(0, dtype=torch.uint8), pidfd)
-        if (st.st_ino, st.st_size) != (region.inode, region.nbytes) or mapping.owner_exited():
+        if (st.st_ino, st.st_size) != (region.inode, region.nbytes) or _exited(pidfd):
             os.close(pidfd)
             return None, "its memory file is not the one it named (the process or file was replaced)"
         memory = mmap.mmap(fd, region.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    except BaseException:
+        os.close(pidfd)
+        raise
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: that is the point
         warnings.simplefilter("ignore", UserWarning)
-        mapping.pages = torch.frombuffer(memory, dtype=torch.uint8).view(-1, page_bytes)
-    threading.Thread(target=_populate, args=(mapping.pages,), name="kv-map-populate", daemon=True).start()
-    return mapping, ""
+        pages = torch.frombuffer(memory, dtype=torch.uint8).view(-1, page_bytes)
+    threading.Thread(target=_populate, args=(pages,), name="kv-map-populate", daemon=True).start()
+    return MappedRegion(pages, pidfd), ""
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process ``pidfd`` refers to has exited (its pidfd reads ready then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 POPULATE_CHUNK = 8 << 20
