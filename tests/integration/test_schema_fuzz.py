@@ -95,6 +95,7 @@ def assert_still_serves(proc: Proc) -> None:
     assert httpx.get(proc.url + "/health", timeout=10).status_code == 200, proc.tail()
 
 
+@pytest.mark.slow  # a fuzz run (~30 s); the inputs it found stay in the default run as test_found_inputs
 @pytest.mark.parametrize("role", ROLES)
 def test_schema_fuzz(workers, role):
     proc = workers[role]

@@ -260,6 +260,11 @@ class SlowProxy:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+SHARED_REDIS_IS_SLOW = pytest.mark.slow
+"""Two more workers on one redis-server (~25 s to start): sharing itself stays in the default run through
+tests/integration/test_scale_out.py; these check prefetch deadlines and a store that stops."""
+
+
 @pytest.fixture(scope="module")
 def shared_redis(logs, tmp_path_factory, smollm2_path):
     """A redis-server, worker R1 on it (best_effort prefetch), and worker R2 on it through a SlowProxy (timeout
@@ -296,6 +301,7 @@ def backed_up(proc: Proc, ids: list[int]) -> list[int]:
     return out
 
 
+@SHARED_REDIS_IS_SLOW
 def test_two_workers_share_one_redis(shared_redis):
     _, _, r1, r2 = shared_redis
     reference = backed_up(r1, prompt(4))
@@ -305,6 +311,7 @@ def test_two_workers_share_one_redis(shared_redis):
     assert_every_page_back(r2)
 
 
+@SHARED_REDIS_IS_SLOW
 def test_prefetch_slower_than_its_deadline(shared_redis):
     """Each 4-page get takes over a second through the proxy: 12 pages cannot arrive within R2's 1.5 s."""
     _, proxy, r1, r2 = shared_redis
@@ -319,6 +326,7 @@ def test_prefetch_slower_than_its_deadline(shared_redis):
     assert_every_page_back(r2)
 
 
+@SHARED_REDIS_IS_SLOW
 def test_redis_stopped_mid_run(shared_redis):
     server, _, r1, r2 = shared_redis
     server.stop()
