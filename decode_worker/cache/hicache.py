@@ -34,8 +34,10 @@ last three are mixins of ``HierarchicalCache``, which keeps all the state (``__i
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import deque
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
@@ -54,7 +56,7 @@ from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePoli
 if TYPE_CHECKING:
     from decode_worker.cache.storage.tier import StorageTier
 
-__all__ = ["HierarchicalCache", "LoadBackError", "LoadHandle", "MatchResult"]
+__all__ = ["FlushOutcome", "HierarchicalCache", "LoadBackError", "LoadHandle", "MatchResult"]
 
 P = TypeVar("P", bound=StrEnum)
 
@@ -65,6 +67,20 @@ def parse_policy(cls: type[P], value: str, what: str) -> P:
         return cls(value)
     except ValueError:
         raise ValueError(f"{what} {value!r} not in {tuple(m.value for m in cls)}") from None
+
+
+@dataclass(frozen=True)
+class FlushOutcome:
+    """What ``flush_settled`` dropped and what stayed cached."""
+
+    dropped_tokens: int
+    kept_tokens: int  # on a node still locked: a running request's prefix, or a copy outlasting the wait
+    copies_waited_for: int  # copies in flight when the flush was asked
+    copies_in_flight: int  # copies still in flight when it ran
+
+    @property
+    def complete(self) -> bool:
+        return self.kept_tokens == 0
 
 
 class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
@@ -302,6 +318,17 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         if self.tree.events is not None and not root.children:  # nothing was locked: every tier is empty
             self.tree.events.cleared()
         return dropped
+
+    async def flush_settled(self, timeout_s: float) -> FlushOutcome:
+        """``flush`` once the copies in flight have finished, waiting at most ``timeout_s``: a backup holds a lock
+        on the nodes it reads until it is applied, so a flush right after a response would keep the prefix it
+        just cached. Says what stayed: prefixes running requests hold, and nodes behind copies still running."""
+        waited_for = len(self._pending)
+        if self._pending:
+            await asyncio.wait([asyncio.wrap_future(op.future) for op in self._pending], timeout=timeout_s)
+        dropped = self.flush()
+        kept = sum(n.num_tokens for n in self.tree.nodes())
+        return FlushOutcome(dropped, kept, waited_for, len(self._pending))
 
     # -- observability ------------------------------------------------------------------------------------------------
 

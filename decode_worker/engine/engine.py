@@ -10,7 +10,7 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.prefix_cache import NoPrefixReuse
-from decode_worker.cache.sizing import host_pool_pages, make_host_pool
+from decode_worker.cache.sizing import device_pool_tokens, host_pool_pages, make_host_pool
 from decode_worker.config import ServerConfig, mask_url, package_version
 from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
@@ -57,7 +57,10 @@ class Engine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         loaded = load_model(path, dtype=getattr(torch, cfg.dtype), device=device)
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, cfg.max_total_tokens, cfg.page_size, cfg.cuda_graph_max_bs,
+        tokens = cfg.max_total_tokens
+        if device == "cuda" and "max_total_tokens" not in cfg.model_fields_set:  # SGLang's --mem-fraction-static
+            tokens = device_pool_tokens(loaded.config, cfg.page_size, getattr(torch, cfg.dtype), cfg.mem_fraction_static)
+        self.runner = ModelRunner(loaded, tokens, cfg.page_size, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                                   shared_pool=cfg.role == "prefill")  # its decode peers on this host map it
         host_pool = None
         if cfg.disaggregation_decode_enable_hicache:
@@ -81,7 +84,7 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
-        self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics)
+        self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics, self.runner.config.vocab_size)
         self.scheduler = Scheduler(
             self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,
             eos_token_ids=tok.eos_token_ids, decode_text=tok.decode,
@@ -99,9 +102,14 @@ class Engine:
         self.ready, self.not_ready_reason = True, ""
 
     async def _expire_leases(self) -> None:
+        """Free expired prefill leases once a second. A failing pass is logged and the next one runs: were this task
+        to end, every later lease would be held forever."""
         while True:
             await asyncio.sleep(1.0)
-            self.handoff.expire()
+            try:
+                self.handoff.expire()
+            except Exception:
+                log.exception("freeing expired KV leases failed; trying again in 1 s")
 
     async def handshake(self, body) -> dict:
         self.require_ready()
@@ -178,11 +186,6 @@ class Engine:
         finally:
             scheduler.abort(stream.rid)  # a no-op once it finished
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix no request is using (locked ones stay); returns the tokens dropped."""
-        self.require_ready()
-        return self.cache.flush()
-
     def server_info(self) -> dict:
         cfg = self.config
         info = {k: v for k, v in vars(cfg).items() if k not in SECRETS}
@@ -191,7 +194,8 @@ class Engine:
         info.update(served_model_name=self.model_name, model_path=self.model_path, version=package_version(), ready=self.ready)
         if self.runner is not None:
             info.update(kv_layout=self.runner.layout.describe(), kv_layout_fingerprint=self.runner.layout.fingerprint(),
-                        max_context=self.runner.config.max_context, max_total_num_tokens=cfg.max_total_tokens)
+                        max_context=self.runner.config.max_context,
+                        max_total_num_tokens=(self.runner.num_pages - 1) * cfg.page_size)
         if self.cache is not None:
             info["cache"] = self.cache.stats().to_dict()
         return info
@@ -205,4 +209,4 @@ class Engine:
         return {"num_reqs": len(self.scheduler.requests), "num_running_reqs": q["running"],
                 "num_waiting_reqs": sum(q["queues"].values()),
                 "num_tokens": (dev.total - dev.free) * self.config.page_size,
-                "max_total_tokens": self.config.max_total_tokens}
+                "max_total_tokens": (self.runner.num_pages - 1) * self.config.page_size}

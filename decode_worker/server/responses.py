@@ -36,6 +36,8 @@ class GenerateMeta(BaseModel):
     e2e_latency: float  # seconds from submission to the answer's last token
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None  # per token: its top_logprobs_num [logprob, id, null]
+    input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len; the first token's logprob null
+    input_top_logprobs: list[list[list[Any]] | None] | None = None  # null for the prompt's first token
 
 
 class GenerateResponse(BaseModel):
@@ -56,8 +58,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None  # null unless logprobs > 0
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token: nothing precedes it
+    top_logprobs: list[dict[str, float] | None] | None  # null unless logprobs > 0; an entry null where the logprob is
     text_offset: list[int]
 
 
@@ -161,6 +163,7 @@ class FlushResult(BaseModel):
     success: bool
     message: str
     dropped_tokens: int
+    kept_tokens: int  # still cached: held by running requests or by copies that outlasted the wait
 
 
 class HandshakeAccepted(BaseModel):

@@ -13,6 +13,7 @@ from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import AbortResult, FlushResult, Load, ModelInfo, Version, auth_statuses, errors
 from decode_worker.server.schemas import AbortRequest
 
+FLUSH_WAIT_S = 10.0  # longest wait for in-flight copies before flushing what can go
 _INFO = {"description": "configuration (secrets left out), model, KV layout and cache figures",
          "content": {"application/json": {"schema": {"type": "object"}}}}
 
@@ -84,8 +85,17 @@ async def get_load(engine: EngineDep) -> dict:
 
 
 async def flush_cache(engine: EngineDep) -> dict:
-    dropped = engine.flush_cache()
-    return {"success": True, "message": f"cache flushed: {dropped} tokens dropped", "dropped_tokens": dropped}
+    """Waits (at most ``FLUSH_WAIT_S``) for L1<->L2 copies in flight, whose locks would keep the prefixes they
+    copy; ``success`` is false, and the message says why, when any token stayed cached."""
+    engine.require_ready()
+    out = await engine.cache.flush_settled(FLUSH_WAIT_S)
+    message = f"cache flushed: {out.dropped_tokens} tokens dropped"
+    if not out.complete:
+        running = (f"{out.copies_in_flight} L1/L2 copies still running after {FLUSH_WAIT_S:.0f} s and "
+                   if out.copies_in_flight else "")
+        message += f"; {out.kept_tokens} tokens stayed, held by {running}running requests"
+    return {"success": out.complete, "message": message, "dropped_tokens": out.dropped_tokens,
+            "kept_tokens": out.kept_tokens}
 
 
 async def metrics(engine: EngineDep) -> Response:
