@@ -62,6 +62,10 @@ class ServerConfig(BaseSettings):
                          "start, with a warning when set", 0)
     bootstrap_port: int | None = _opt("prefill handshake port used when a request's bootstrap_port is null")
     pd_token: str = _opt("shared secret of a prefill/decode pair, sent in the handshake's X-PD-Token header", "")
+    prefill_hosts: str = _opt("decode role: the prefill workers this worker may call (and send its PD token to), as "
+                              "host[:port],... with IP addresses or DNS names (a name also allows every address it "
+                              "resolves to); a request naming another bootstrap_host gets 400. Unset: loopback only; "
+                              "'*': any host (refused with --pd-token)", "")
     api_key: str = _opt("require 'Authorization: Bearer <key>' on every route but /health, /health_generate and "
                         "/metrics (prefer the environment variable: flags show in ps)", "")
     max_request_body_bytes: int = _opt("largest request body accepted; a larger one gets 413", 32 * 1024 * 1024)
@@ -119,6 +123,7 @@ class ServerConfig(BaseSettings):
         for name in ("api_key", "pd_token"):  # both travel in HTTP headers
             if not all(" " < c <= "~" for c in getattr(self, name)):
                 raise ConfigError(f"{_flag(name)} must be printable ASCII without spaces")
+        self._check_prefill_hosts()
         if self.max_request_body_bytes < 1 or self.max_concurrent_requests < 1:
             raise ConfigError("--max-request-body-bytes and --max-concurrent-requests must be at least 1")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
@@ -132,6 +137,17 @@ class ServerConfig(BaseSettings):
         if self.kv_events is not None and not self.radix_cache:
             raise ConfigError("--kv-events-config needs --disaggregation-decode-enable-radix-cache on the decode "
                               "role: without prefix reuse nothing is cached to publish")
+
+    def _check_prefill_hosts(self) -> None:
+        from decode_worker.core.prefill_hosts import parse_prefill_hosts
+
+        try:
+            entries = parse_prefill_hosts(self.prefill_hosts)
+        except ValueError as e:
+            raise ConfigError(f"--prefill-hosts: {e}") from None
+        if entries is None and self.pd_token:
+            raise ConfigError("--prefill-hosts '*' with a --pd-token would send the token to any host a request "
+                              "names in bootstrap_host: list the prefill workers instead")
 
     @property
     def kv_events(self) -> dict[str, Any] | None:

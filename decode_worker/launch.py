@@ -162,6 +162,11 @@ def router_auth(api_key: str) -> list[str]:
     return ["--api-key", api_key] if api_key else []
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -207,7 +212,8 @@ def _start_workers(dep: Deployment, args: argparse.Namespace, env: dict[str, str
     dep.start("prefill", worker + ["--role", "prefill", "--port", str(args.prefill_port)] + common, env)
     for i, port in enumerate(decode_ports(args)):
         dep.start(f"decode-{i}", worker + ["--role", "decode", "--port", str(port), "--bootstrap-port",
-                                           str(args.prefill_port)] + common + cache, decode_env)
+                                           str(args.prefill_port), "--prefill-hosts",
+                                           host_port(args.host, args.prefill_port)] + common + cache, decode_env)
     names = ["prefill", *(f"decode-{i}" for i in range(args.decode_replicas))]
     for name, port in zip(names, [args.prefill_port, *decode_ports(args)]):
         dep.wait_healthy(name, f"http://{args.host}:{port}/health", args.startup_timeout)

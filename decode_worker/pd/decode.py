@@ -25,6 +25,7 @@ import numpy as np
 
 from decode_worker.cache.handles import NO_PAGES
 from decode_worker.config import ServerConfig
+from decode_worker.core.prefill_hosts import prefill_hosts
 from decode_worker.core.request import Bootstrap, RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, Answer, prompt_digest, release_message
@@ -160,9 +161,12 @@ class DeltaKVFetcher:
             room.released = True
             self.agent.notify(peer.name, release_message(answer.room, answer.lease))
 
-    def _auth_headers(self) -> dict[str, str]:
+    def _auth_headers(self, boot: Bootstrap) -> dict[str, str]:
         """The pair's PD token in its header (never in the body), and our API key: the prefill worker of one
-        deployment shares it (one sglang-router --api-key serves all workers)."""
+        deployment shares it (one sglang-router --api-key serves all workers). Only to a prefill worker in
+        ``--prefill-hosts`` (the intake already refused others; this keeps the secrets home if a path skips it)."""
+        if not prefill_hosts(self.config.prefill_hosts).allowed_now(boot.host, boot.port):
+            raise RequestError(f"bootstrap_host {boot.host!r} is not in --prefill-hosts: nothing sent to it")
         headers = {PD_TOKEN_HEADER: self.config.pd_token} if self.config.pd_token else {}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
@@ -177,7 +181,7 @@ class DeltaKVFetcher:
         url = f"http://{boot.host}:{boot.port}{HANDSHAKE_PATH}"
         asked = time.monotonic()
         try:
-            resp = await self.http.post(url, json=body, headers=self._auth_headers())
+            resp = await self.http.post(url, json=body, headers=self._auth_headers(boot))
         except httpx.TimeoutException as e:
             raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
         except httpx.HTTPError as e:

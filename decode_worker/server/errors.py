@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 
 from decode_worker.core.request import RequestError
 from decode_worker.server.fields import check_fields
+from decode_worker.server.inputs import check_prefill_hosts
 
 RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy
 
@@ -32,7 +33,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """Parse a JSON body whatever its content type (plain `curl -d` sends form-encoded), with clear errors; a
-    documented field this worker does not honour is refused (``fields.py``)."""
+    documented field this worker does not honour is refused (``fields.py``), and so is a prefill worker this
+    decode worker was not told about (``inputs.check_prefill_hosts``)."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -43,9 +45,11 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     except ValueError as e:
         raise RequestError(str(e)) from e
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         raise RequestError(_describe(e)) from e
+    await check_prefill_hosts(body, request.app.state.engine.config)
+    return body
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

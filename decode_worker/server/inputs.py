@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from decode_worker.config import ServerConfig
+from decode_worker.core.prefill_hosts import prefill_hosts
 from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.server.schemas import BootstrapFields
@@ -40,6 +41,24 @@ def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | N
     if port is None:
         raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
     return Bootstrap(_url_host(host), int(port), int(room))
+
+
+async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
+    """A decode worker calls only the prefill workers ``--prefill-hosts`` names (it sends them its PD token): a
+    body naming another ``bootstrap_host`` is refused whole (400 naming it) before anything is sent. The list of
+    allowed hosts stays out of the message: any client may read it."""
+    if cfg.role != "decode" or getattr(body, "bootstrap_host", None) is None:
+        return
+    hosts = body.bootstrap_host if isinstance(body.bootstrap_host, list) else [body.bootstrap_host]
+    ports = body.bootstrap_port if isinstance(body.bootstrap_port, list) else [body.bootstrap_port] * len(hosts)
+    allow = prefill_hosts(cfg.prefill_hosts)
+    for host, port in zip(hosts, ports + [None] * (len(hosts) - len(ports))):
+        port = port if port is not None else _default_port(cfg)
+        if host is None or port is None:
+            continue  # bootstrap() refuses these for their own reasons
+        if not await allow.allowed(host, int(port)):
+            raise RequestError(f"bootstrap_host {host!r} (port {port}) is not a prefill worker this decode worker "
+                               "may call: the operator lists them in --prefill-hosts")
 
 
 def _default_port(cfg: ServerConfig) -> int | None:

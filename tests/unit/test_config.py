@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -180,3 +181,18 @@ def test_unused_ucx_flags_are_named_not_silently_dropped():
     lines = unused_ucx_flags(parse(["--role", "decode", "--ucx-host", "10.0.0.7", "--ucx-port", "30100"]))
     assert [line.split()[:2] for line in lines] == [["--ucx-host", "10.0.0.7"], ["--ucx-port", "30100"]]
     assert all("not used" in line for line in lines)
+
+
+def test_prefill_hosts_flag_and_environment(monkeypatch):
+    assert parse(["--role", "decode", "--prefill-hosts", "p0:30001,10.0.0.7"]).prefill_hosts == "p0:30001,10.0.0.7"
+    assert parse([], monkeypatch, {"DECODE_WORKER_PREFILL_HOSTS": "prefill:30001"}).prefill_hosts == "prefill:30001"
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--prefill-hosts", "p0:port"], "--prefill-hosts: 'p0:port' has no valid port"),
+    (["--prefill-hosts", "http://p0"], "--prefill-hosts: 'http://p0' is not host[:port]"),
+    (["--prefill-hosts", "*", "--pd-token", "t"], "would send the token to any host"),
+])
+def test_bad_prefill_hosts_are_refused(argv, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        parse(argv)
