@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -111,6 +112,24 @@ def prompt_margins(model_path: Path) -> list[float]:
 
 # ---- peers and proxies written for the tests ---------------------------------------------------------------------
 
+def serve_http(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int, str]:
+    """A threaded HTTP server on a free loopback port, serving from a daemon thread: (server, port, url)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, port, f"http://127.0.0.1:{port}"
+
+
+def reply(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
+    """A JSON answer (``data``: its bytes, which may be cut short on purpose)."""
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class StubPrefill:
     """A prefill peer that has no KV to give: ``/generate`` answers at once, and the PD handshake is either
     answered like prefill answers it but naming an agent no one can reach (``accept``) or held open without an
@@ -147,23 +166,62 @@ class StubPrefill:
                     self._reply(200, {"text": "", "output_ids": [], "meta_info": {}})
 
             def _reply(self, status: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply(self, status, json.dumps(obj).encode())
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server, self.port, self.url = serve_http(Handler)
 
     def close(self) -> None:
         self._release.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+class CorruptingPrefill:
+    """An HTTP front of a real prefill worker whose handshake answers come back with one field changed: the
+    answer is otherwise real (real agent, real pages, held by the real prefill), so a decode worker that used the
+    bad field would get as far as reading real KV and running a step. ``corrupt`` maps prefill's answer (a dict)
+    to what is sent instead: a dict, or raw bytes (a truncated body). Other routes are not served."""
+
+    def __init__(self, upstream: str, corrupt: Callable[[dict], dict | bytes] = lambda d: d):
+        self.upstream, self.corrupt, self.name = upstream, corrupt, "corrupting-prefill"
+        self.answered = 0
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("x-pd-token", "authorization",
+                                                                                  "content-type")}
+                r = httpx.post(front.upstream + self.path, content=body, headers=headers, timeout=120)
+                out = front.corrupt(r.json()) if r.status_code == 200 else r.json()
+                data = out if isinstance(out, bytes) else json.dumps(out).encode()
+                front.answered += 1
+                reply(self, r.status_code, data)
+
+        self._server, self.port, self.url = serve_http(Handler)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+BAD_ANSWERS: dict[str, Callable[[dict], dict | bytes]] = {
+    "first_token": lambda d: {**d, "first_token": 49152},  # SmolLM2's vocabulary size: one past its last token
+    "first_token ": lambda d: {**d, "first_token": -1},
+    "logprob": lambda d: {**d, "logprob": float("nan")},
+    "pages": lambda d: {**d, "pages": [*d["pages"][:-1], d["pool"]["num_pages"]]},  # the last one past the pool
+    "pages ": lambda d: {**d, "pages": [d["pages"][0]] * len(d["pages"])},  # one page named for all
+    "pages  ": lambda d: {**d, "pages": d["pages"][:-1]},  # a page short
+    "pool.page_bytes": lambda d: {**d, "pool": {**d["pool"], "page_bytes": d["pool"]["page_bytes"] * 2}},
+    "pool.num_pages": lambda d: {**d, "pool": {**d["pool"], "num_pages": 1 << 40}},
+    "room": lambda d: {**d, "room": d["room"] + 1},
+    "waited_s": lambda d: {**d, "waited_s": 3600.0},  # it claims to have waited longer than decode's round trip
+    "answer": lambda d: json.dumps(d).encode()[:40],  # truncated: not JSON
+}
+"""Corrupted handshake answers, by the field decode must name when it refuses them (padded to keep keys apart)."""
 
 
 class DelayProxy:

@@ -71,7 +71,8 @@ def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
             "agent's metadata, and listens for none" for flag, value in given]
 
 
-def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
+def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics,
+            vocab_size: int) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
     """The role's half of PD over a NIXL agent that registers ``pool`` once: the decode role's fetcher, the
     prefill role's hand-off, or neither (colocated: NIXL is not even imported)."""
     if cfg.role not in ("decode", "prefill"):
@@ -84,7 +85,7 @@ def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics) -> tuple[DeltaKVF
     if cfg.role == "decode":
         from decode_worker.pd.decode import DeltaKVFetcher
 
-        return DeltaKVFetcher(cfg, pool, agent, metrics), None
+        return DeltaKVFetcher(cfg, pool, agent, metrics, vocab_size), None
     from decode_worker.pd.prefill import KVHandoff
 
     return None, KVHandoff(cfg, pool, agent, metrics)

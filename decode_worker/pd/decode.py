@@ -6,16 +6,23 @@ logprob. Only then does admission fix the prefix (what L1, L2 and the landed pre
 pages, and ``receive`` READs pages ``[prefix, prompt_len)`` from prefill's registered pool into them. Then a
 release notification tells prefill to free its pages; a request that gives up after the answer sends it too.
 
-The read must end before prefill's hold does: its deadline is at most ``asked + waited_s + hold_s`` minus a
-margin, where ``asked`` is when we posted the handshake and ``waited_s``/``hold_s`` come from prefill. Prefill's
-answer went out no earlier than ``asked + waited_s`` on any clock, so the read never runs from a page prefill
-reused, whatever the network delay.
+Decode uses no byte it cannot prove it copied while prefill still held it. Prefill's hold starts at the instant
+its ``waited_s`` ends, and that instant is no earlier than ``asked + waited_s`` on our clock (``asked``: when we
+posted the handshake), whatever the network delay; the read's deadline is that plus ``hold_s``, minus a margin.
+The agent reads the clock after the copy's last byte (``KVAgent.read``): a copy that ended after the deadline, or
+never started before it (a stalled copy thread), fails the request as a transfer timeout, even if its bytes
+happen to be whole. Chosen over a per-page generation count (a seqlock) because it needs nothing from prefill's
+pool layout or NIXL, and over extending the hold because a stalled decode must not keep prefill's pages.
+
+Prefill's answer is checked field by field before any of it is used (``Answer.from_json``); a bad one fails only
+its request (``transfer_failures_total{reason="bad_answer"}``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +35,14 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.prefill_hosts import prefill_hosts
 from decode_worker.core.request import Bootstrap, RequestError
 from decode_worker.metrics import Metrics
-from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER, Answer, prompt_digest, release_message
+from decode_worker.pd.handshake import (
+    HANDSHAKE_PATH,
+    PD_TOKEN_HEADER,
+    Answer,
+    Asked,
+    prompt_digest,
+    release_message,
+)
 from decode_worker.transfer.agent import KVAgent, Peer, TransferError
 
 if TYPE_CHECKING:
@@ -65,7 +79,7 @@ class DeltaKVFetcher:
     """The decode role's prompt source (``scheduler.roles.PromptSource``): a fresh request's prompt KV comes
     from its prefill peer."""
 
-    def __init__(self, config: ServerConfig, pool: KVPool, agent: KVAgent, metrics: Metrics):
+    def __init__(self, config: ServerConfig, pool: KVPool, agent: KVAgent, metrics: Metrics, vocab_size: int):
         self.config = config
         self.pool = pool
         self.agent = agent
@@ -73,6 +87,9 @@ class DeltaKVFetcher:
         self.http = handshake_client(config.handshake_timeout_s)
         self._rooms: dict[str, _Room] = {}  # by request id
         self._known: dict[tuple[str, int], str] = {}  # prefill (host, port) -> its agent, loaded here
+        self._reading: Counter[str] = Counter()  # agent -> its reads in flight
+        self._replaced: set[str] = set()  # agents a restarted prefill replaced, dropped once their reads end
+        self.vocab_size = vocab_size  # the model's: prefill's first token must be below it
 
     async def close(self) -> None:
         for rid in list(self._rooms):
@@ -115,15 +132,14 @@ class DeltaKVFetcher:
     async def _read(self, req: Req, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> None:
         ps, prompt = self.pool.page_size, req.seq.prompt_ids
         prefix_pages = req.prefix_pages
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         hold_ends = room.asked + answer.waited_s + answer.hold_s - HOLD_MARGIN_S  # monotonic, see the module doc
-        budget = min(self.config.transfer_timeout_s, hold_ends - started)
-        if budget <= 0:  # admitted after prefill's hold: its pages may be reused by now
+        deadline = min(started + self.config.transfer_timeout_s, hold_ends)
+        if deadline <= started:  # admitted after prefill's hold: its pages may be reused by now
             raise self._fail("timeout", f"prefill {room.boot.host}:{room.boot.port} held room {answer.room}'s KV "
                                         f"for {answer.hold_s:.0f}s; it was gone before this request was admitted", 504)
-        deadline = loop.time() + budget
         if into:  # a full prefix hit reads nothing, and prefill still waits for the release
+            self._reading[peer.name] += 1
             try:
                 await self.agent.read(answer.room, peer, into, answer.pages[prefix_pages:], deadline)
             except TransferError as e:
@@ -132,10 +148,21 @@ class DeltaKVFetcher:
                 raise self._fail(e.reason, f"KV transfer from prefill {room.boot.host}:{room.boot.port} failed: "
                                            f"{e.reason}" + (f" ({e.detail})" if e.detail else ""),
                                  504 if e.reason == "timeout" else 502) from e
+            finally:
+                self._done_reading(peer.name)
             room.released = self.agent.notify(peer.name, release_message(answer.room, answer.lease))
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix_pages * ps)
         self.metrics.kv_received_bytes.inc(len(into) * self.pool.layout.page_bytes)
         self.metrics.kv_transfer.observe(time.monotonic() - started)
+
+    def _done_reading(self, name: str) -> None:
+        """One read of agent ``name`` ended; a replaced agent goes once its last read has."""
+        self._reading[name] -= 1
+        if not self._reading[name]:
+            del self._reading[name]
+            if name in self._replaced:
+                self._replaced.discard(name)
+                self.agent.drop_peer(name)
 
     def _quarantine(self, req: Req) -> None:
         """Keep a read's pages out of use for good: a read that could not be stopped may still write into them,
@@ -193,11 +220,19 @@ class DeltaKVFetcher:
                 detail = resp.text[:300]
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
-        self.metrics.kv_handshake_seconds.observe(time.monotonic() - asked)
+        round_trip = time.monotonic() - asked
+        self.metrics.kv_handshake_seconds.observe(round_trip)
+        asked_for = Asked(boot.room, len(prompt), self.pool.page_size, self.agent.pool.page_bytes, self.vocab_size,
+                          round_trip)
         try:
-            answer = Answer.from_json(resp.json())
-        except (KeyError, TypeError, ValueError) as e:  # not a prefill of this version: say so, never guess
-            raise self._fail("handshake_rejected", f"prefill's handshake answer is malformed: {e!r}") from e
+            data = resp.json()
+        except ValueError:
+            data = None  # not JSON (a truncated body): refused below as not an object
+        try:
+            answer = Answer.from_json(data, asked_for)
+        except ValueError as e:  # a field out of range: this request fails, nothing else
+            raise self._fail("bad_answer", f"prefill {boot.host}:{boot.port} sent an unusable handshake answer: "
+                                           f"{e}") from e
         return answer, self._peer(peer_key, answer)
 
     def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
@@ -208,10 +243,19 @@ class DeltaKVFetcher:
         if not answer.metadata:
             raise self._fail("handshake_rejected", f"prefill agent {answer.pool.agent} sent no metadata")
         if (old := self._known.get(peer_key)) is not None:
-            self.agent.drop_peer(old)
+            self._drop_agent(old)
         try:
             peer = self.agent.add_peer(answer.metadata, answer.pool)
         except Exception as e:  # nixl raises its own error types for metadata it cannot load
             raise self._fail("peer_lost", f"cannot load prefill agent {answer.pool.agent}: {e!r}") from e
         self._known[peer_key] = peer.name
         return peer
+
+    def _drop_agent(self, name: str) -> None:
+        """Forget a replaced agent: now if no read of it is in flight, else once the last one ends (its handles
+        and mapping must outlive them). Reads of it that start later fail as peer_lost (``KVAgent.read``)."""
+        if self._reading[name]:
+            self._replaced.add(name)
+        else:
+            self._reading.pop(name, None)
+            self.agent.drop_peer(name)

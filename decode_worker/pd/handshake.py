@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +34,34 @@ class HandshakeBody(Protocol):
     known_agent: str  # the prefill agent whose metadata decode has loaded for this peer, or ""
 
 
+MAX_POOL_PAGES = 1 << 22
+"""The most pages a peer's pool may declare: its page table is built here, one row per page."""
+MAX_METADATA_BYTES = 1 << 20
+"""The most agent metadata an answer may carry (a NIXL agent's is a few KB)."""
+MAX_HOLD_S = 24 * 3600.0
+
+
+class BadAnswer(ValueError):
+    """A field of prefill's answer that decode cannot use; ``field`` names it (``pool.num_pages``, ``pages``)."""
+
+    def __init__(self, field: str, why: str):
+        self.field = field
+        super().__init__(f"{field} {why}")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What decode asked prefill for, and what it can use: every answer is checked against it before any field is
+    used (``Answer.from_json``)."""
+
+    room: int
+    prompt_len: int
+    page_size: int
+    page_bytes: int  # of our pool: the peer's pages must be the same size
+    vocab_size: int
+    round_trip_s: float  # from posting the handshake to reading the answer: prefill cannot have waited longer
+
+
 @dataclass(frozen=True)
 class Answer:
     """Prefill -> decode, once prefill holds the room's KV: where the prompt's pages are, the first token, and
@@ -55,10 +84,76 @@ class Answer:
                 "metadata": base64.b64encode(self.metadata).decode(), "hold_s": self.hold_s, "waited_s": self.waited_s}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Answer:
-        return cls(int(d["room"]), int(d["lease"]), [int(p) for p in d["pages"]], int(d["first_token"]),
-                   float(d["logprob"]), PoolDescriptor.from_dict(d["pool"]), base64.b64decode(d["metadata"]),
-                   float(d["hold_s"]), float(d["waited_s"]))
+    def from_json(cls, d: Any, asked: Asked) -> Answer:
+        """The answer, every field checked against its type, its range and what decode ``asked``; ``BadAnswer``
+        names the first field that fails. A peer's answer is input like a client's body: a token outside the
+        vocabulary would fail every request in the next batch, a page outside its pool would read foreign memory.
+        New fields are checked here too."""
+        if not isinstance(d, dict):
+            raise BadAnswer("answer", f"must be a JSON object, not {type(d).__name__}")
+        if d.get("status") != "ready":
+            raise BadAnswer("status", f"must be 'ready', not {d.get('status')!r}")
+        room = _int(d, "room", 0, 1 << 64)
+        if room != asked.room:
+            raise BadAnswer("room", f"is {room}, but decode asked for room {asked.room}")
+        pool = _pool(d.get("pool"), asked)
+        pages = d.get("pages")
+        need = -(-asked.prompt_len // asked.page_size)
+        if not isinstance(pages, list) or len(pages) != need:
+            raise BadAnswer("pages", f"must list the {need} pages of the {asked.prompt_len}-token prompt, not "
+                                     f"{len(pages) if isinstance(pages, list) else type(pages).__name__}")
+        if any(type(p) is not int or not 0 <= p < pool.num_pages for p in pages):
+            raise BadAnswer("pages", f"must be page indices in [0, {pool.num_pages}) of prefill's pool")
+        if len(set(pages)) != len(pages):
+            raise BadAnswer("pages", "name a page twice")
+        metadata = d.get("metadata")
+        try:
+            raw = base64.b64decode(metadata, validate=True) if isinstance(metadata, str) else None
+        except ValueError:
+            raw = None
+        if raw is None or len(raw) > MAX_METADATA_BYTES:
+            raise BadAnswer("metadata", f"must be base64 of at most {MAX_METADATA_BYTES} bytes")
+        return cls(room, _int(d, "lease", 0, 1 << 63), pages, _int(d, "first_token", 0, asked.vocab_size),
+                   _float(d, "logprob", -math.inf, 0.0), pool, raw, _float(d, "hold_s", 0.0, MAX_HOLD_S, low_open=True),
+                   _float(d, "waited_s", 0.0, asked.round_trip_s))
+
+
+def _int(d: dict, name: str, low: int, high: int, prefix: str = "") -> int:
+    """``d[name]``, an integer in ``[low, high)`` (a JSON bool or float is refused)."""
+    v = d.get(name)
+    if type(v) is not int or not low <= v < high:
+        raise BadAnswer(prefix + name, f"must be an integer in [{low}, {high}), not {v!r}")
+    return v
+
+
+def _float(d: dict, name: str, low: float, high: float, low_open: bool = False) -> float:
+    """``d[name]``, a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    v = d.get(name)
+    ok = type(v) in (int, float) and math.isfinite(v) and (low < v if low_open else low <= v) and v <= high
+    if not ok:
+        raise BadAnswer(name, f"must be a finite number in {'(' if low_open else '['}{low}, {high}], not {v!r}")
+    return float(v)
+
+
+def _pool(d: Any, asked: Asked) -> PoolDescriptor:
+    """Prefill's pool descriptor: pages of our size, a bounded count, an address range that fits 64 bits."""
+    if not isinstance(d, dict):
+        raise BadAnswer("pool", f"must be a JSON object, not {type(d).__name__}")
+    agent = d.get("agent")
+    if not isinstance(agent, str) or not 0 < len(agent) <= 256:
+        raise BadAnswer("pool.agent", "must be a name of 1 to 256 characters")
+    page_bytes = _int(d, "page_bytes", 1, 1 << 40, "pool.")
+    if page_bytes != asked.page_bytes:
+        raise BadAnswer("pool.page_bytes", f"is {page_bytes}, but a page here is {asked.page_bytes} bytes")
+    num_pages = _int(d, "num_pages", 1, MAX_POOL_PAGES + 1, "pool.")
+    _int(d, "base", 0, (1 << 64) - num_pages * page_bytes, "pool.")
+    _int(d, "device", 0, 1 << 16, "pool.")
+    if d.get("mem") not in ("DRAM", "VRAM"):
+        raise BadAnswer("pool.mem", f"must be DRAM or VRAM, not {d.get('mem')!r}")
+    try:
+        return PoolDescriptor.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadAnswer("pool.shared", f"is malformed: {e!r}") from e
 
 
 def release_message(room: int, lease: int) -> bytes:

@@ -137,14 +137,14 @@ class KVHandoff:
             raise RequestError(f"prompt mismatch for room {body.room}: decode has {body.prompt_len} tokens "
                                f"(digest {body.prompt_digest}), prefill has {len(prompt)} (digest "
                                f"{prompt_digest(prompt)})", 409, "digest_mismatch")
-        lease_id, hold = next(self._lease_ids), self.config.kv_lease_s
-        self.handed[lease_id] = _Lease(req, time.monotonic() + hold, body.room)
+        lease_id, hold, now = next(self._lease_ids), self.config.kv_lease_s, time.monotonic()
+        self.handed[lease_id] = _Lease(req, now + hold, body.room)  # the hold runs from the instant waited_s ends
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_releases())
         metadata = b"" if body.known_agent == self.agent.name else self.agent.metadata()
         return Answer(body.room, lease_id, req.seq.pages[: -(-len(prompt) // self.pool.page_size)],
                       req.seq.output_ids[0], req.seq.output_logprobs[0], self.agent.pool, metadata, hold,
-                      waited_s=time.monotonic() - asked)
+                      waited_s=now - asked)
 
     async def _wait_for_room(self, room: int) -> _Lease:
         """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""

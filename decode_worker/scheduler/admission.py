@@ -8,8 +8,9 @@ allocated (``try_alloc``). Retracted requests go first; new ones wait while any 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.prefix_cache import PrefixCache, has_storage
@@ -22,7 +23,9 @@ from decode_worker.scheduler.roles import PromptSource
 
 S = ReqState
 PEER_LOOKAHEAD = 32
-"""Queued requests whose role may start early work (decode: handshakes, each an HTTP call prefill holds)."""
+"""Queued requests per peer (a decode request's prefill, by bootstrap host and port) whose role may start early
+work (decode: handshakes, each an HTTP call prefill holds). Per peer, so a stalled prefill with many requests at
+the head of the queue holds up only its own: another prefill's requests behind them start their handshakes."""
 
 
 class Admission:
@@ -44,7 +47,7 @@ class Admission:
         if self.lookahead is not None:
             for req in self.lookahead.start(self.queues.prealloc):
                 self.queues.move(req, S.MATCHING)
-        for req in itertools.islice(self.queues.prealloc, PEER_LOOKAHEAD):
+        for req in self._peer_windows(self.queues.prealloc):
             self.source.prepare(req, self.wakeup.set)
 
     def admit(self) -> None:
@@ -61,8 +64,22 @@ class Admission:
 
     def _first_answered(self) -> Req | None:
         queue = self.queues.retracted or self.queues.prealloc
-        return next((req for req in itertools.islice(queue, PEER_LOOKAHEAD)
+        return next((req for req in self._peer_windows(queue)
                      if not self.source.receives(req) or self.source.answered(req)), None)
+
+    @staticmethod
+    def _peer_windows(queue: Iterable[Req]) -> Iterator[Req]:
+        """The queued requests in order, each peer's first ``PEER_LOOKAHEAD`` only (a request with no peer always).
+        The whole queue is walked: the HTTP edge's --max-concurrent-requests bounds it."""
+        seen: Counter[tuple[str, int | None]] = Counter()
+        for req in queue:
+            boot = req.inp.bootstrap
+            if boot is not None:
+                key = (boot.host, boot.port)
+                if seen[key] >= PEER_LOOKAHEAD:
+                    continue
+                seen[key] += 1
+            yield req
 
     def forget(self, req: Req) -> None:
         """A request leaving before admission: stop its prefetch and free the L2 pages it took."""

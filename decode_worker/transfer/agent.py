@@ -22,10 +22,15 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import math
 import os
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -182,15 +187,19 @@ class KVAgent:
         peer.mapped = None
 
     async def read(self, room: int, peer: Peer, into: list[int], source: list[int], deadline: float) -> None:
-        """Copy ``peer``'s pool pages ``source`` into our pages ``into``.
+        """Copy ``peer``'s pool pages ``source`` into our pages ``into``, all of them before ``deadline``.
 
-        Raises ``TransferError`` (timeout at the loop time ``deadline``, peer_lost when the peer's pages cannot be
-        read). Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
+        ``deadline`` is a ``time.monotonic()`` time by which the peer still holds the pages (``pd/decode.py``). A
+        read counts only if its last byte landed before it: the clock is read after the copy ends, on the thread
+        that copied, and a read still queued for the copy thread at the deadline never starts. Raises
+        ``TransferError`` (timeout: not provably copied in time; peer_lost: the peer's pages cannot be read, or the
+        peer was dropped). Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
         """
         if len(into) != len(source) or peer.pool.page_bytes != self.pool.page_bytes:
             raise TransferError(room, "size_mismatch", f"{len(source)} pages of {peer.pool.page_bytes} bytes into "
                                                        f"{len(into)} of {self.pool.page_bytes}")
-        loop = asyncio.get_running_loop()
+        if self._peers.get(peer.name) is not peer:  # dropped (replaced by a restarted prefill): its handles are gone
+            raise TransferError(room, "peer_lost", f"agent {peer.name} was replaced")
         ours, theirs = self.pool.indices(into), peer.pool.indices(source)  # ValueError for a page outside a pool
         if peer.mapped is not None and peer.mapped.owner_exited():
             self._unmap(peer)  # it died: fail as a NIXL read of a dead peer does, without its memory
@@ -199,12 +208,10 @@ class KVAgent:
             if not peer.connected:
                 self._unmap(peer)
                 logger.info("peer %s: a test read of one page failed, so its pages are read over NIXL", peer.name)
+        inline = len(into) * self.pool.page_bytes < INLINE_BYTES
         if peer.mapped is not None:
             pages = peer.mapped.pages  # held by the copy, so the mapping outlives it even if the peer exits now
-            if len(into) * self.pool.page_bytes < INLINE_BYTES:
-                self._copy_mapped(pages, ours, theirs)
-            else:
-                await run_to_the_end(loop.run_in_executor(self._copier, self._copy_mapped, pages, ours, theirs))
+            await self._in_time(room, deadline, inline, self._copy_mapped, pages, ours, theirs)
             return
         try:
             handle = self.agent.make_prepped_xfer("READ", self._local, ours, peer.dlist, theirs)
@@ -212,21 +219,43 @@ class KVAgent:
             raise TransferError(room, "peer_lost", f"cannot prepare the read: {e!r}") from e
         state = "PROC"
         try:
-            if len(into) * self.pool.page_bytes < INLINE_BYTES:
-                state = self._post(handle)
-            else:
-                state = await run_to_the_end(loop.run_in_executor(self._copier, self._post, handle))
+            state = await self._in_time(room, deadline, inline, self._post, handle)
             while state == "PROC":
-                if loop.time() >= deadline:
+                if time.monotonic() >= deadline:
                     raise TransferError(room, "timeout", "reading the peer's pages")
                 await asyncio.sleep(POLL_S)
                 state = self._state(handle)
+                if state == "DONE" and time.monotonic() > deadline:  # it ended no earlier than we saw it end
+                    raise TransferError(room, "timeout", "the read ended after its deadline: its bytes are not used")
             if state != "DONE":
                 raise TransferError(room, "peer_lost", "the peer's pages could not be read")
         finally:
             if not await self._retire(room, handle, state):
                 raise TransferError(room, "unstoppable", "the read could not be stopped: its pages may still be "
                                                          "written and must never be reused")
+
+    async def _in_time(self, room: int, deadline: float, inline: bool, work: Callable[..., T], *args) -> T:
+        """``work(*args)`` (a copy or a post) on the loop when ``inline``, else on the copy thread; its result only
+        if it started and ended before ``deadline``. A job still queued at the deadline is dropped, so it never
+        writes; one already running is waited for (it copies at memory speed) before the read fails."""
+        job = _Job(deadline)
+        if inline:
+            return job.result(room, job.run(work, *args))
+        future = asyncio.get_running_loop().run_in_executor(self._copier, job.run, work, *args)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            if job.drop():
+                raise TransferError(room, "timeout", "the copy thread did not reach the read before its deadline") from None
+        except asyncio.CancelledError:
+            if not job.drop():
+                await run_to_the_end(future)  # it writes into our pages: wait for the end, then be cancelled
+            raise
+        try:
+            result = await run_to_the_end(future, RETIRE_S)
+        except TimeoutError:
+            raise TransferError(room, "unstoppable", "the copy thread did not end the read") from None
+        return job.result(room, result)
 
     def notify(self, peer: str, message: bytes) -> bool:
         """A notification outside a transfer; False when the peer is gone."""
@@ -292,15 +321,65 @@ class KVAgent:
         return False
 
 
-async def run_to_the_end(work: asyncio.Future):
-    """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it)."""
+async def run_to_the_end(work: asyncio.Future, limit_s: float | None = None):
+    """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it). With
+    ``limit_s``, raise ``TimeoutError`` if it has not ended after that long (it goes on)."""
     cancelled = False
+    give_up = None if limit_s is None else time.monotonic() + limit_s
     while not work.done():
         try:
-            await asyncio.shield(work)
+            left = None if give_up is None else give_up - time.monotonic()
+            if left is not None and left <= 0:
+                if cancelled:
+                    raise asyncio.CancelledError
+                raise TimeoutError
+            await asyncio.wait_for(asyncio.shield(work), left)
         except asyncio.CancelledError:
             cancelled = True
+        except TimeoutError:
+            pass
     if cancelled:
         raise asyncio.CancelledError
     return work.result()
 
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Job:
+    """One copy or post that must start and end before ``deadline`` (``time.monotonic()``). The copy thread
+    starts it only if the loop has not dropped it and the deadline has not passed, and stamps ``ended`` after its
+    last byte, so a result whose stamp is within the deadline proves the bytes were copied while the peer held
+    them."""
+
+    deadline: float
+    started: bool = False
+    dropped: bool = False
+    ended: float = math.inf
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, work: Callable[..., T], *args) -> T | None:
+        with self._lock:
+            if self.dropped or time.monotonic() >= self.deadline:
+                self.dropped = True
+                return None
+            self.started = True
+        try:
+            return work(*args)
+        finally:
+            self.ended = time.monotonic()
+
+    def drop(self) -> bool:
+        """Keep a job that has not started from ever starting; True when it never will."""
+        with self._lock:
+            if not self.started:
+                self.dropped = True
+            return self.dropped
+
+    def result(self, room: int, result: T | None) -> T:
+        if self.dropped:
+            raise TransferError(room, "timeout", "the read was due to start after its deadline")
+        if self.ended > self.deadline:
+            raise TransferError(room, "timeout", "the copy ended after its deadline: its bytes are not used")
+        return result

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.faultkit import BAD_ANSWERS, CorruptingPrefill
 from tests.servers import pd_generate, start_worker, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "s3cret"}
@@ -216,3 +217,42 @@ def test_decode_giving_up_before_the_answer_frees_prefill_at_once(logs, decode):
 def test_decode_rejects_requests_without_bootstrap(decode):
     r = httpx.post(decode.url + "/generate", json={"text": "Hi"}, timeout=10)
     assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+
+
+def test_a_bad_prefill_answer_fails_only_its_own_request(prefill, decode, colocated):
+    """Issue 26: a prefill's answer is input. A front of the real prefill changes one field of each answer (a
+    token outside the vocabulary, a page past the pool, a truncated body, ...) while a good request decodes on
+    the same worker: each bad one fails alone as a transfer error naming the field, counted by reason, and the
+    good one's output equals the colocated reference. Before the checks, the token past the vocabulary failed
+    every request in the next step (the embedding raised)."""
+    text = PROMPT + "Question D: which emperor built the longest wall?"
+    long_greedy = {**GREEDY, "max_new_tokens": 48}
+    want = httpx.post(colocated.url + "/generate", json={"text": text, "sampling_params": long_greedy},
+                      timeout=120).json()["output_ids"]
+    front = CorruptingPrefill(prefill.url)
+    before = decode.metric("decode_worker_transfer_failures_total", default=0.0, reason="bad_answer")
+    result: dict = {}
+    good = threading.Thread(target=lambda: result.setdefault("good", pd_generate(
+        prefill, decode, {"text": text, "sampling_params": long_greedy}, next(rooms))))
+    try:
+        good.start()
+        time.sleep(1.0)  # its prompt is computed and it decodes
+        overlapped = 0
+        for field, corrupt in BAD_ANSWERS.items():
+            front.corrupt = corrupt
+            resp = pd_generate(prefill, decode, {"text": f"{PROMPT} Variant {len(field)}.", "sampling_params": GREEDY},
+                               next(rooms), prefill_port=front.port)
+            assert resp.status_code == 502, (field, resp.text)
+            message = resp.json()["error"]["message"]
+            assert "unusable handshake answer" in message and field.strip() in message, (field, message)
+            overlapped += good.is_alive()
+        good.join()
+    finally:
+        front.close()
+    assert overlapped >= 3, "the bad answers came after the good request had ended: the test proves nothing"
+    assert result["good"].status_code == 200, result["good"].text
+    assert result["good"].json()["output_ids"] == want
+    after = decode.metric("decode_worker_transfer_failures_total", reason="bad_answer")
+    assert after - before == len(BAD_ANSWERS)
+    wait_pages_free(decode)
+    wait_pages_free(prefill, timeout_s=20)  # refused answers' pages are freed when prefill's 3 s hold ends

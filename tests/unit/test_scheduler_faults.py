@@ -17,13 +17,14 @@ import torch
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
-from decode_worker.core.request import GenerateInput, RequestError
+from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.admission import PEER_LOOKAHEAD
 from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.transfer.agent import run_to_the_end
-from tests.unit.test_scheduler import GREEDY, PeerKV, run_all, settle
+from tests.unit.test_scheduler import GREEDY, PeerKV, collect, make_scheduler, run_all, settle
 
 
 @pytest.fixture(scope="module")
@@ -207,4 +208,54 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
     assert broken and writes, "the injected error or the scatter did not happen"
     assert isinstance(events[0].error, RequestError) and events[0].error.status == 500
     assert all(writes), "the transfer wrote into pages the scheduler had already freed"
+    settle(scheduler)
+
+
+class StalledPeer(PeerKV):
+    """Decode's prompt source with handshakes: a request's peer answers once its handshake started (``prepare``),
+    except the peer on port ``STALLED``, which never answers. Records which requests got a handshake."""
+
+    STALLED = 1
+
+    def __init__(self, kv_source):
+        super().__init__(kv_source)
+        self.prepared: set[str] = set()
+
+    def prepare(self, req: Req, wakeup) -> None:
+        if req.rid not in self.prepared:
+            self.prepared.add(req.rid)
+            asyncio.get_running_loop().call_soon(wakeup)
+
+    def answered(self, req: Req) -> bool:
+        return req.rid in self.prepared and req.inp.bootstrap.port != self.STALLED
+
+
+def test_a_stalled_peer_at_the_head_of_the_queue_does_not_hold_up_another_peer(tiny_models, prompts):
+    """Issue 26: 40 requests for a prefill that never answers fill the queue's head; a request for a healthy
+    prefill behind them starts its handshake and is served (the look-ahead was one global window of 32, which the
+    stalled peer's requests filled, so it never started). Each peer still gets at most ``PEER_LOOKAHEAD``."""
+    async def kv_source(req: Req, pages) -> tuple[int, float]:
+        return 7, 0.0
+
+    async def scenario():
+        scheduler = make_scheduler(tiny_models["llama"], 4096, kv_source=kv_source, peer=StalledPeer)
+        source = scheduler.admission.source
+        scheduler.start()
+        try:
+            stalled = [scheduler.submit(GenerateInput(f"s{i}", prompts[i % 10], GREEDY,
+                                                      bootstrap=Bootstrap("127.0.0.1", StalledPeer.STALLED, i)))
+                       for i in range(40)]
+            healthy = scheduler.submit(GenerateInput("h", prompts[0], GREEDY, bootstrap=Bootstrap("127.0.0.1", 2, 99)))
+            events = await asyncio.wait_for(collect(healthy), 10)
+            handshakes = sum(rid.startswith("s") for rid in source.prepared)
+            for s in stalled:
+                scheduler.abort(s.rid)
+            await asyncio.wait_for(asyncio.gather(*(collect(s) for s in stalled)), 10)
+            return events, handshakes, scheduler
+        finally:
+            await scheduler.stop(grace_s=0)
+
+    events, handshakes, scheduler = asyncio.run(scenario())
+    assert not any(e.error for e in events) and sum(len(e.token_ids) for e in events) == GREEDY.max_new_tokens
+    assert handshakes == PEER_LOOKAHEAD  # one peer's requests beyond its window start nothing
     settle(scheduler)

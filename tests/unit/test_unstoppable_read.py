@@ -28,7 +28,8 @@ def test_a_read_that_cannot_be_stopped_fails_as_unstoppable(monkeypatch):
         monkeypatch.setattr(agent.agent, "make_prepped_xfer", lambda *a, **k: StuckHandle())
         monkeypatch.setattr(agent, "_post", lambda handle: "PROC")
         monkeypatch.setattr(agent, "_state", lambda handle: "PROC")
-        peer = SimpleNamespace(pool=agent.pool, dlist=None, name="peer", mapped=None)  # a peer read over NIXL
+        peer = SimpleNamespace(pool=agent.pool, dlist=None, name="peer", mapped=None, mapping=None)  # read over NIXL
+        monkeypatch.setitem(agent._peers, "peer", peer)
 
         async def read():
             await agent.read(7, peer, [1], [2], deadline=asyncio.get_running_loop().time() + 0.01)

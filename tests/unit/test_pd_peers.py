@@ -1,0 +1,129 @@
+"""A prefill peer replaced mid-read, and the prefill's lease-expiry task, fail only cleanly (issue 26)."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode_worker.engine import engine as engine_module
+from decode_worker.engine.engine import Engine
+from decode_worker.metrics import Metrics
+from decode_worker.pd.decode import DeltaKVFetcher
+from decode_worker.pd.prefill import KVHandoff
+from decode_worker.transfer.agent import KVAgent, TransferError
+
+
+class FakeAgent:
+    """Decode's agent as the fetcher sees it: reads wait for ``gate``; a read of a dropped peer's handles would be a
+    use after release, so it is recorded."""
+
+    name, pool = "decode-x", SimpleNamespace(page_bytes=64)
+
+    def __init__(self):
+        self.peers: dict[str, SimpleNamespace] = {}
+        self.dropped: list[str] = []
+        self.used_after_drop: list[str] = []
+        self.gate = asyncio.Event()
+
+    def peer(self, name):
+        return self.peers.get(name)
+
+    def add_peer(self, metadata, pool):
+        self.peers[pool.agent] = peer = SimpleNamespace(name=pool.agent)
+        return peer
+
+    def drop_peer(self, name):
+        self.dropped.append(name)
+        self.peers.pop(name, None)
+
+    async def read(self, room, peer, into, source, deadline):
+        await self.gate.wait()
+        if peer.name in self.dropped:
+            self.used_after_drop.append(peer.name)
+
+    def notify(self, peer, message):
+        return True
+
+
+def answer(agent: str) -> SimpleNamespace:
+    return SimpleNamespace(pool=SimpleNamespace(agent=agent), metadata=b"meta", room=1, lease=1, pages=[3, 4],
+                           waited_s=0.0, hold_s=30.0)
+
+
+def test_replacing_a_peer_waits_for_its_reads_in_flight():
+    """A restarted prefill brings a new agent for the same host and port; the old one's reads still in flight
+    must end before its handles go (dropping them first would free the descriptors and mapping a read uses)."""
+    async def scenario() -> FakeAgent:
+        agent = FakeAgent()
+        config = SimpleNamespace(handshake_timeout_s=5.0, transfer_timeout_s=5.0)
+        pool = SimpleNamespace(page_size=16, layout=SimpleNamespace(page_bytes=64))
+        fetcher = DeltaKVFetcher(config, pool, agent, Metrics(), vocab_size=100)
+        key = ("127.0.0.1", 9)
+        old = fetcher._peer(key, answer("prefill-old"))
+        room = SimpleNamespace(asked=asyncio.get_running_loop().time(), boot=SimpleNamespace(host="h", port=9),
+                               released=False)
+        req = SimpleNamespace(rid="r", seq=SimpleNamespace(prompt_ids=[1] * 20), prefix_pages=0)
+        reading = asyncio.ensure_future(fetcher._read(req, room, answer("prefill-old"), old, [7, 8]))
+        await asyncio.sleep(0.01)
+        new = fetcher._peer(key, answer("prefill-new"))
+        assert new.name == "prefill-new" and agent.dropped == []  # the old agent's read is still in flight
+        agent.gate.set()
+        await reading
+        assert agent.dropped == ["prefill-old"] and agent.used_after_drop == []
+        await fetcher.http.aclose()
+        return agent
+
+    asyncio.run(scenario())
+
+
+def test_a_read_of_a_dropped_peer_fails_as_peer_lost():
+    """An answer that named the old agent, admitted after it was replaced, never touches its released handles."""
+    agent = KVAgent(torch.zeros(4, 1, 2, 16), "decode")
+    try:
+        gone = SimpleNamespace(pool=agent.pool, dlist=None, name="prefill-old", mapped=None, mapping=None)
+
+        async def read():
+            await agent.read(1, gone, [1], [2], deadline=asyncio.get_running_loop().time() + 1)
+
+        with pytest.raises(TransferError) as failure:
+            asyncio.run(read())
+        assert failure.value.reason == "peer_lost"
+    finally:
+        agent.close()
+
+
+def test_lease_expiry_survives_a_failing_pass(monkeypatch):
+    """One pass of ``expire`` raises; the task logs it and later leases still expire (before, the task died
+    silently and every later lease was held for good)."""
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(engine_module.asyncio, "sleep", lambda s, *a: real_sleep(min(s, 0.005), *a))
+    released = []
+    handoff = KVHandoff(SimpleNamespace(kv_lease_s=0.02), None, None, Metrics(),
+                        scheduler=SimpleNamespace(release_held=released.append))
+    expire, failed = handoff.expire, []
+
+    def flaky() -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("one bad pass")
+        expire()
+    handoff.expire = flaky
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(Engine._expire_leases(SimpleNamespace(handoff=handoff)))
+        try:
+            await real_sleep(0.05)
+            assert failed and not task.done()
+            req = SimpleNamespace(inp=SimpleNamespace(bootstrap=SimpleNamespace(room=5)))
+            handoff.hold(req)
+            for _ in range(200):
+                if released:
+                    break
+                await real_sleep(0.005)
+        finally:
+            task.cancel()
+
+    asyncio.run(scenario())
+    assert len(released) == 1
