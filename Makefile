@@ -25,10 +25,12 @@ generate: setup
 	$(VENV)/bin/decode-worker generate --chat "What is the capital of France?"
 
 # Debian packages the tests need: redis-server for the L3 storage tests (they start their own on a free port),
-# promtool (package prometheus) to check the alert rules and the metrics the worker renders.
+# promtool (package prometheus) to check the alert rules and the metrics the worker renders, ip and tc (iproute2)
+# for `decode-worker bench --link`'s shaped loopback.
 system-deps:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+	command -v tc >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2)
 
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc

@@ -13,6 +13,8 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,8 +46,24 @@ SHAPES = [(10, 50), (50, 10)]
 # More groups than one pod's L1 holds prefixes, and 8 prompts per group: round robin over 4 pods sends each group
 # to each pod twice, so half the repeats of a prefix meet a pod that never saw it.
 SCALE_OUT_SHAPES = [(32, 8)]
+# The reference's ratios at lengths 2 cores carry: prefix : suffix 16384 : 4608, concurrency 8, ten prefixes in L1.
+LINKED = Scale(prefix_len=256, suffix_len=72, output_len=4, concurrency=8, l1_tokens=None, dtype="bfloat16",
+               chat="none", chat_first_len=256, chat_turn_len=72)
 REFERENCE = Scale(prefix_len=16384, suffix_len=4608, output_len=350, concurrency=8, l1_tokens=162_000,
                   dtype="bfloat16", chat="8x8", chat_first_len=4096, chat_turn_len=512)
+
+
+LINK_MODES = ("off", "radix", "hier")  # what the TTFT savings compare
+DEFAULT_OUT = Path.home() / ".cache" / "decode-worker" / "bench"
+
+
+def _links(text: str) -> list:
+    from decode_worker.bench.link import parse_links
+
+    try:
+        return parse_links(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -98,7 +116,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="decode L1 holds this many prefixes plus each running request's own suffix and output (the "
                         "reference: about ten prefixes in 162K tokens)")
     d.add_argument("--l1-tokens", type=int, help="decode L1 in tokens; overrides --l1-prefixes")
-    d.add_argument("--prefill-l1-tokens", type=int, help="prefill's KV capacity; unset: the decode worker's L1")
+    d.add_argument("--prefill-l1-tokens", type=int,
+                   help="prefill's KV capacity; unset: room for every prefix of the largest workload plus the running "
+                        "requests (prefill keeps what it has seen, as a prefill with its own cache would), or with "
+                        "--reference the decode worker's L1")
+    d.add_argument("--link", type=_links, metavar="RATE[,RATE...]",
+                   help="run every mode once per link: a rate such as 500mbit or 1gbit puts each deployment in a "
+                        "private network namespace whose loopback is shaped to that rate, with KV over UCX TCP; "
+                        "'local' is the same-host path. Unset: local only. With --link the modes default to "
+                        f"{' '.join(LINK_MODES)} and chat to none")
     d.add_argument("--hicache-ratio", type=float, default=3.0, help="L2 size as a multiple of L1 (hier modes)")
     d.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"], default="timeout",
                    help="L3 modes: how long a queued request waits for its L3 prefetch. best_effort admits a request "
@@ -120,13 +146,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="round_robin and cache_aware: sglang-router's decode policies over pod-local caches; "
                         "round_robin_l3 and cache_aware_l3: the same over pods that share one Redis as L3")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="bench/results", help="folder for NAME.json, NAME.md and NAME.png")
+    o.add_argument("--out", default=str(DEFAULT_OUT), help="folder for NAME.json, NAME.md and NAME.png")
     o.add_argument("--name", help="file name of the outputs (default bench, with --scale-out scale_out)")
 
 
 def _resolve(args: argparse.Namespace) -> Scale:
     """Each unset flag from the chosen scale."""
-    base = REFERENCE if args.reference else CPU
+    base = REFERENCE if args.reference else LINKED if args.link else CPU
     return Scale(**{k: getattr(args, k) if getattr(args, k) is not None else v for k, v in asdict(base).items()})
 
 
@@ -186,13 +212,23 @@ def _check_context(longest: int, model) -> None:
                           " give --model-path a longer-context model, or shorter lengths")
 
 
-def _spec(args: argparse.Namespace, s: Scale, model_path: str) -> DeploySpec:
+def _prefill_tokens(args: argparse.Namespace, s: Scale, workloads: list, l1: int) -> int:
+    """--prefill-l1-tokens, or every distinct prompt token of the largest workload plus each running request's
+    whole prompt and output (the reference's prefill holds its prefixes; --reference: the decode L1)."""
+    if args.prefill_l1_tokens or args.reference:
+        return args.prefill_l1_tokens or l1
+    seen = max(w.reusable_tokens for w in workloads)
+    tokens = seen + s.concurrency * (_longest_request(workloads, False) + args.page_size)
+    return -(-tokens // args.page_size) * args.page_size
+
+
+def _spec(args: argparse.Namespace, s: Scale, model_path: str, workloads: list) -> DeploySpec:
     from decode_worker.bench.deploy import DeploySpec
 
     l1 = _l1_tokens(s, args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="decode-worker-bench-"))
-    return DeploySpec(model_path, s.dtype, args.page_size, l1, args.prefill_l1_tokens or l1, args.hicache_ratio,
-                      args.prefetch_policy, args.api_key, log_dir, args.startup_timeout)
+    return DeploySpec(model_path, s.dtype, args.page_size, l1, _prefill_tokens(args, s, workloads, l1),
+                      args.hicache_ratio, args.prefetch_policy, args.api_key, log_dir, args.startup_timeout)
 
 
 def _settings(args: argparse.Namespace, s: Scale, model, spec: DeploySpec, workloads: list) -> dict:
@@ -210,13 +246,13 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, DeploySpec, dict]:
     s = _resolve(args)
     model_path, model = _model(args)
     workloads = _workloads(s, args)
-    modes = [Mode("given")] if args.url else [MODES[m] for m in args.modes or MODES]
+    modes = [Mode("given")] if args.url else [MODES[m] for m in args.modes or (LINK_MODES if args.link else MODES)]
     try:
         check_order([m.name for m in modes])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_context(_longest_request(workloads, any(m.restart for m in modes)), model)
-    spec = _spec(args, s, model_path)
+    spec = _spec(args, s, model_path, workloads)
     plan = Plan(workloads, modes, s.concurrency, args.request_rate, args.page_size, model.vocab_size, args.seed,
                 args.api_key)
     settings = {**_settings(args, s, model, spec, workloads), "modes": [m.name for m in modes], "url": args.url}
@@ -252,7 +288,7 @@ def _scale_plan(args: argparse.Namespace) -> tuple[ScalePlan, DeploySpec, dict]:
     for w in workloads:
         ids = [p.ids for p in shared_prefix_trace(w, words)]
         traces.append(Trace(w, ids, as_texts(tokenizer, ids)))
-    spec = _spec(args, s, model_path)
+    spec = _spec(args, s, model_path, workloads)
     routings = [ROUTINGS[r] for r in dict.fromkeys(args.routings)]
     plan = ScalePlan(traces, list(dict.fromkeys(args.decode_pods)), routings, s.concurrency, args.request_rate,
                      args.page_size, args.seed, words, lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
@@ -262,13 +298,17 @@ def _scale_plan(args: argparse.Namespace) -> tuple[ScalePlan, DeploySpec, dict]:
     return plan, spec, settings
 
 
-def _write(out_dir: Path, name: str, rows: list, line: str, md: str, title: str, column=None) -> None:
-    from decode_worker.bench.plot import plot
+def _write(out_dir: Path, name: str, rows: list, line: str, md: str, title: str, column=None,
+           plot_links: bool = False) -> None:
+    from decode_worker.bench.plot import plot, plot_savings
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(line + "\n")
     (out_dir / f"{name}.md").write_text(f"{title}\n\n{md}")
-    plot(rows, out_dir / f"{name}.png", title, *([column] if column else []))
+    if plot_links:
+        plot_savings(rows, out_dir / f"{name}.png", title)
+    else:
+        plot(rows, out_dir / f"{name}.png", title, *([column] if column else []))
 
 
 def _progress_bar(total: int):
@@ -284,13 +324,26 @@ def _progress_bar(total: int):
     return bar, progress
 
 
+def _run_with_bar(total: int, runs: Callable[[Callable], list]) -> tuple[list | None, float]:
+    """``runs(progress)`` under a progress bar: its rows and wall seconds, or None once its error is printed."""
+    bar, progress = _progress_bar(total)
+    start = time.monotonic()
+    try:
+        return runs(progress), round(time.monotonic() - start, 1)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 0.0
+    finally:
+        bar.close()
+
+
 def _finish(args: argparse.Namespace, spec: DeploySpec, rows: list, host: dict, settings: dict, md: str,
-            title: str, name: str, column=None) -> int:
+            title: str, name: str, column=None, plot_links: bool = False) -> int:
     from decode_worker.bench.report import json_line
 
     host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     line = json_line(rows, host, settings)
-    _write(Path(args.out), name, rows, line, md, title, column)
+    _write(Path(args.out).expanduser(), name, rows, line, md, title, column, plot_links)
     print(md, file=sys.stderr)
     print(f"logs: {spec.log_dir}; outputs: {Path(args.out) / name}.{{json,md,png}}", file=sys.stderr)
     print(line, flush=True)
@@ -304,24 +357,15 @@ def _title(settings: dict, spec: DeploySpec, concurrency: int, host: dict) -> st
 
 
 def run_scale_out(args: argparse.Namespace) -> int:
-    import time
-
     from decode_worker.bench.machine import machine
     from decode_worker.bench.scale_out import run_scale_out as run
     from decode_worker.bench.scale_report import table
 
     plan, spec, settings = _scale_plan(args)
     host = machine()
-    bar, progress = _progress_bar(plan.total_requests)
-    start = time.monotonic()
-    try:
-        rows = run(plan, spec, progress)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+    rows, host["wall_s"] = _run_with_bar(plan.total_requests, lambda progress: run(plan, spec, progress))
+    if rows is None:
         return 1
-    finally:
-        bar.close()
-    host["wall_s"] = round(time.monotonic() - start, 1)
     title = f"decode-worker bench --scale-out: {_title(settings, spec, plan.concurrency, host)}; {host['wall_s']:.0f} s"
     return _finish(args, spec, rows, host, settings, table(rows), title, args.name or "scale_out",
                    lambda r: f"{r.workload}, {r.pods} decode pod{'s' if r.pods > 1 else ''}")
@@ -335,17 +379,43 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.scale_out:
         return run_scale_out(args)
+    if args.link:
+        return run_linked(args)
     plan, spec, settings = _plan(args)
     given = Endpoints(args.url.rstrip("/"), args.decode_url, args.prefill_url) if args.url else None
     host = machine()
-    bar, progress = _progress_bar(plan.total_requests)
     try:
-        rows = run(plan, None if given else spec, given, progress)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        rows, _ = _run_with_bar(plan.total_requests,
+                                lambda progress: run(plan, None if given else spec, given, progress))
     finally:
-        bar.close()
         shutil.rmtree(spec.storage_dir, ignore_errors=True)
+    if rows is None:
+        return 1
     title = f"decode-worker bench: {_title(settings, spec, plan.concurrency, host)}"
     return _finish(args, spec, rows, host, settings, table(rows), title, args.name or "bench")
+
+
+def run_linked(args: argparse.Namespace) -> int:
+    """Every mode once per link (bench/linked.py); local only, said in one line, where no namespace can be made."""
+    from decode_worker.bench.link import LOCAL, Link, namespace_problem
+    from decode_worker.bench.link_report import link_table
+    from decode_worker.bench.linked import run_links
+    from decode_worker.bench.machine import machine
+
+    links = args.link
+    if any(link.shaped for link in links) and (problem := namespace_problem()) is not None:
+        print(f"bench --link: {problem}; running {LOCAL} only", file=sys.stderr)
+        links = [Link(LOCAL, None)]
+    plan, spec, settings = _plan(args)
+    settings["links"] = [link.name for link in links]
+    host = machine()
+    rows, host["wall_s"] = _run_with_bar(plan.total_requests,
+                                         lambda progress: run_links(args, links, plan, spec, progress))
+    if rows is None:
+        return 1
+    title = (f"decode-worker bench --link {','.join(settings['links'])}: "
+             f"{_title(settings, spec, plan.concurrency, host)}, prefill {spec.prefill_l1_tokens} tokens; "
+             f"{host['wall_s']:.0f} s")
+    md, extra = link_table(rows, settings)
+    settings |= extra
+    return _finish(args, spec, rows, host, settings, md, title, args.name or "bench_link", plot_links=True)

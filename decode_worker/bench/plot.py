@@ -42,3 +42,41 @@ def plot(rows: Sequence[Row], path: Path, title: str, column: Callable[[Row], st
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_savings(rows: Sequence[Row], path: Path, title: str) -> None:
+    """`bench --link`: TTFT p50 saving of hier against radix and against off, per workload, over the links in
+    rate order (the same-host path last, at the rate its KV probe achieved)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from decode_worker.bench.link_report import REFERENCE_SAVING, savings
+
+    found = savings(rows)
+    probe = {r.link: r.kv_probe_gbit for r in rows}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, workload in enumerate(dict.fromkeys(s.workload for s in found)):
+        points = sorted((s for s in found if s.workload == workload),
+                        key=lambda s: s.link_gbit or probe.get(s.link) or float("inf"))
+        x = [s.link_gbit or probe.get(s.link) or 0.0 for s in points]
+        colour = f"C{i}"
+        for attr, style, what in (("vs_radix", "-o", "hier vs radix"), ("vs_off", "--s", "hier vs off")):
+            y = [(getattr(s, attr) or 0.0) * 100 for s in points]
+            ax.plot(x, y, style, color=colour, label=f"{workload}: {what}")
+        for s, xs in zip(points, x):
+            if s.link_gbit is None:
+                ax.annotate("same host", (xs, (s.vs_radix or 0.0) * 100), fontsize=7, textcoords="offset points",
+                            xytext=(4, 4))
+        if workload in REFERENCE_SAVING:
+            ax.axhline(REFERENCE_SAVING[workload] * 100, color=colour, linestyle=":", linewidth=1,
+                       label=f"{workload}: reference hier vs radix")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set(xscale="log", xlabel="link rate prefill -> decode (Gbit/s; same host: its KV probe's rate)",
+           ylabel="TTFT p50 change (%)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(textwrap.fill(title, 90), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -28,6 +28,7 @@ from decode_worker.bench.client import (
     warm_up_request,
 )
 from decode_worker.bench.deploy import DeploySpec, Endpoints, deployed
+from decode_worker.bench.link import LOCAL
 from decode_worker.bench.modes import WARMS_RESTART, Mode
 from decode_worker.bench.prom import Scrape, scrape
 from decode_worker.bench.stats import ClientStats
@@ -70,9 +71,19 @@ class Row:
     unbounded_hit_rate: float
     load_average: tuple[float, float]  # the host's 1-minute load at the row's start and end: a shared machine
     errors: list[str]
+    kv_probe_gbit: float | None = None  # KV rate of one request alone on the deployment: bytes / its transfer
+    link: str = LOCAL  # the link prefill and decode talked over (bench/link.py)
+    link_gbit: float | None = None  # its configured rate; None: the host's own loopback
+    tcp_probe_gbit: float | None = None  # a plain TCP stream over the same link, apart from UCX
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Row:
+        """The inverse of ``to_dict``: rows a linked run's child process wrote."""
+        return cls(**{**d, "client": ClientStats(**d["client"]), "workers": WorkerStats(**d["workers"]),
+                      "load_average": tuple(d["load_average"])})
 
 
 @dataclass
@@ -88,9 +99,27 @@ async def _scrape(http: httpx.AsyncClient, url: str | None) -> Scrape | None:
 
 
 async def _flush(http: httpx.AsyncClient, ep: Endpoints, headers: dict[str, str]) -> None:
+    """Both workers' caches emptied; RuntimeError when a worker kept anything (a row would start warm)."""
     for url in (ep.decode, ep.prefill):
         if url:
-            (await http.post(url + "/flush_cache", headers=headers, timeout=60)).raise_for_status()
+            resp = await http.post(url + "/flush_cache", headers=headers, timeout=60)
+            resp.raise_for_status()
+            if not resp.json().get("success", False):
+                raise RuntimeError(f"{url}/flush_cache left the cache warm: {resp.json().get('message')}")
+
+
+async def _kv_probe(plan: Plan, target: Target, ep: Endpoints, prompt_len: int) -> float | None:
+    """One request alone, on a prompt no cache holds: its KV bytes over its transfer time, in Gbit/s."""
+    if ep.decode is None:
+        return None
+    rng = random.Random(f"probe-{plan.seed}")
+    prompt = [rng.randrange(plan.vocab_size) for _ in range(prompt_len)]
+    async with http_client(1) as http:
+        before = await scrape(http, ep.decode)
+        await warm_up_request(http, target, prompt, 1, time.monotonic() + 120)
+        d = await scrape(http, ep.decode) - before
+    seconds = d.get("decode_worker_kv_transfer_seconds_sum")
+    return d.get("decode_worker_kv_received_bytes_total") * 8 / seconds / 1e9 if seconds else None
 
 
 async def _warm_up(plan: Plan, target: Target, prompt_len: int) -> None:
@@ -123,6 +152,7 @@ async def bench_mode(plan: Plan, mode: Mode, ep: Endpoints, history: History, fl
     longest = max(w.prefix_len + w.suffix_len if isinstance(w, SharedPrefixSpec) else w.first_len
                   for w in plan.workloads)
     await _warm_up(plan, target, longest)
+    probe = await _kv_probe(plan, target, ep, longest)
     rows = []
     async with httpx.AsyncClient() as http:
         for workload in plan.workloads:
@@ -141,7 +171,8 @@ async def bench_mode(plan: Plan, mode: Mode, ep: Endpoints, history: History, fl
             ceiling = unbounded_hit_rate([(r.prompt, r.output) for r in results], plan.page_size,
                                          [(r.prompt, r.output) for r in warm])
             rows.append(Row(workload.name, mode.name, client, WorkerStats.of(client.ttft_s["mean"], decode, prefill),
-                            ceiling, (load0, os.getloadavg()[0]), sorted({r.error for r in results if r.error})[:5]))
+                            ceiling, (load0, os.getloadavg()[0]), sorted({r.error for r in results if r.error})[:5],
+                            probe))
     return rows
 
 

@@ -26,6 +26,11 @@ class SharedPrefixSpec:
     def name(self) -> str:
         return f"{self.groups}x{self.prompts_per_group}"
 
+    @property
+    def reusable_tokens(self) -> int:
+        """Prompt tokens a later prompt can reuse: every group's prefix."""
+        return self.groups * self.prefix_len
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -63,6 +68,11 @@ class ChatSpec:
     @property
     def name(self) -> str:
         return f"chat {self.clients}x{self.rounds}"
+
+    @property
+    def reusable_tokens(self) -> int:
+        """Prompt tokens a later round can reuse: every conversation's history up to its last round."""
+        return self.clients * (self.first_len + (self.rounds - 1) * (self.turn_len + self.output_len))
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""`decode-worker bench --link`: every mode once per link. A shaped link's runs happen in a child process inside
+its own namespace (``python -m decode_worker.bench.linked REQUEST.json``), which shapes the loopback, checks a
+plain TCP stream against the rate, runs the modes and writes its rows; ``local`` runs in this process.
+
+Each row carries its link, the configured rate and the KV rate one request alone achieved on that deployment;
+a shaped run whose TCP stream or KV probe is more than 20% off the configured rate fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from decode_worker.bench.link import SHAPED_ENV, UNSHARE, Link, check_rate, parse_links, shape_loopback, tcp_gbit
+from decode_worker.bench.runner import Plan, Row, run
+from decode_worker.bench.deploy import DeploySpec
+
+
+def _with_link(rows: list[Row], link: Link, tcp: float | None) -> list[Row]:
+    out = [dataclasses.replace(r, link=link.name, link_gbit=link.gbit, tcp_probe_gbit=tcp) for r in rows]
+    for r in out:
+        check_rate(link, r.kv_probe_gbit, f"mode {r.mode}'s KV probe (one request alone, UCX over TCP)")
+    return out
+
+
+def _args_json(args: argparse.Namespace, log_dir: Path) -> dict:
+    """The flags as JSON for the child: its links as text, its own log folder, no parser callbacks."""
+    out = {k: v for k, v in vars(args).items() if not callable(v)}
+    return out | {"link": ",".join(link.name for link in args.link), "log_dir": str(log_dir)}
+
+
+def run_links(args: argparse.Namespace, links: list[Link], plan: Plan, spec: DeploySpec,
+              progress: Callable[[str], Callable[[], None]]) -> list[Row]:
+    """Rows of every link in order; ``args`` travel to each shaped link's child as JSON."""
+    rows: list[Row] = []
+    for link in links:
+        link_spec = dataclasses.replace(spec, log_dir=spec.log_dir / link.name)
+        if not link.shaped:
+            rows += _with_link(run(plan, link_spec, None, progress), link, None)
+            continue
+        link_spec.log_dir.mkdir(parents=True, exist_ok=True)
+        request, result = link_spec.log_dir / "request.json", link_spec.log_dir / "rows.json"
+        request.write_text(json.dumps({"args": _args_json(args, link_spec.log_dir),
+                                       "link": dataclasses.asdict(link), "out": str(result)}))
+        done = subprocess.run([*UNSHARE, sys.executable, "-m", "decode_worker.bench.linked", str(request)],
+                              env={**os.environ, **SHAPED_ENV})
+        if done.returncode != 0:
+            raise RuntimeError(f"the run over link {link.name} failed (exit {done.returncode}); logs in "
+                               f"{link_spec.log_dir}")
+        rows += [Row.from_dict(d) for d in json.loads(result.read_text())]
+    return rows
+
+
+def _child(request_path: str) -> int:
+    """Inside the namespace: shape, check the bucket, run every mode, write the rows."""
+    from decode_worker.bench.command import _plan, _progress_bar
+
+    request = json.loads(Path(request_path).read_text())
+    link = Link(**request["link"])
+    shape_loopback(link)
+    tcp = tcp_gbit()
+    check_rate(link, tcp, "a plain TCP stream")
+    print(f"link {link.name}: private loopback shaped, a TCP stream carries {tcp:.3f} Gbit/s", file=sys.stderr)
+    args = argparse.Namespace(**request["args"])
+    args.link = parse_links(args.link)
+    plan, spec, _ = _plan(args)
+    bar, progress = _progress_bar(plan.total_requests)
+    try:
+        rows = _with_link(run(plan, spec, None, progress), link, tcp)
+    finally:
+        bar.close()
+    Path(request["out"]).write_text(json.dumps([r.to_dict() for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_child(sys.argv[1]))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
