@@ -46,7 +46,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -102,9 +101,11 @@ async def measure(args: argparse.Namespace) -> dict:
         pool = pool_of(layout, None)
         agent = KVAgent(pool.buffer, "decode")
         peer = agent.add_peer(base64.b64decode(peers[name]["metadata"]), PoolDescriptor.from_dict(peers[name]["pool"]))
+        if peer.mapping is not None:
+            await peer.mapping  # prefill's pool file, asked for in a thread
         if peer.mapped is None:
             raise SystemExit(f"{name}: prefill's pool could not be mapped, see the log")
-        over_nixl = replace(peer, mapped=None)  # the same peer, read as from another host
+        mapping = peer.mapped
         reference = pool_of(layout, seed).buffer  # prefill's bytes, to check each read against
         rng = torch.Generator().manual_seed(seed)
         rows = {}
@@ -114,11 +115,11 @@ async def measure(args: argparse.Namespace) -> dict:
                                              "page_loop": [], "memcpy": []}
             src, dst = bytes_of(n_pages * layout.page_bytes), bytes_of(n_pages * layout.page_bytes)
             for step in range(WARMUP + args.reps):
-                for path, via in (("pd_path", peer), ("pd_path_nixl", over_nixl)):
+                for path, peer.mapped in (("pd_path", mapping), ("pd_path_nixl", None)):  # None: as from another host
                     theirs, ours = (torch.randperm(pool.num_pages, generator=rng)[:n_pages] for _ in range(2))
                     evict()
                     t0 = time.perf_counter()
-                    await agent.read(step, via, ours.tolist(), theirs.tolist(), asyncio.get_running_loop().time() + 60)
+                    await agent.read(step, peer, ours.tolist(), theirs.tolist(), asyncio.get_running_loop().time() + 60)
                     elapsed = time.perf_counter() - t0
                     agent.notify(peer.name, b"release")  # as pd/decode.py does, after the read: not on its path
                     reads += 1
@@ -126,6 +127,7 @@ async def measure(args: argparse.Namespace) -> dict:
                         raise SystemExit(f"{name} {mb} MB {path}: bytes read differ from prefill's")
                     if step >= WARMUP:
                         times[path].append(elapsed)
+                peer.mapped = mapping
                 if step < WARMUP:
                     continue
                 start_theirs, start_ours = (int(torch.randint(pool.num_pages - n_pages + 1, (1,), generator=rng))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode_worker.core.shared_memory import SharedRegion, shared_zeros
+from decode_worker.core.shared_memory import SharedFile, shared_zeros
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,12 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", pin_memory: bool = False,
                  shared: bool = False):
         """``shared``: a host pool other processes on this host may map (``core/shared_memory.py``), as a prefill
-        worker's is, so its decode peers copy pages out of it directly; ``self.shared`` then says where it is."""
+        worker's is, so its decode peers copy pages out of it directly; ``self.shared`` is then its sealed memory file,
+        which the worker's agent hands to them (``transfer/pool_share.py``)."""
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.shared: SharedRegion | None = None
+        self.shared: SharedFile | None = None
         # Not huge pages (see core/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
         # here runs at ~0.8 GB/s against ~4 GB/s for 4 KB ones, which would slow start-up by seconds for a pool
         # of a few GB (both allocations fault every page in now, so requests never pay for the faults).

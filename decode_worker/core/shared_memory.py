@@ -1,30 +1,36 @@
 """Host memory another process on this host can map: a prefill worker's KV pool, read by its decode peers.
 
-The pool lives in an anonymous memory file (``memfd``) that the owner keeps open; a peer on the same host opens it
-through ``/proc/<pid>/fd/<fd>`` and maps it read-only, so it copies pages with a plain memcpy. That is what UCX does
-between processes with xpmem; without xpmem it falls back to CMA (``process_vm_readv``), which pins every 4 KB page
-it copies and here moves 1 MB in ~0.3 ms against ~0.09 ms for a memcpy (``bench/bench_transfer.py``).
+The pool lives in an anonymous memory file (``memfd``) that only its owner can resize or reopen: it is sealed
+against shrinking and growing (a reader's copy out of a shrunk file would die with SIGBUS) and its mode is 0600.
+A peer gets the file itself, never a path: the owner hands its descriptor over a Unix socket
+(``transfer/pool_share.py``). Before mapping a descriptor it received, the peer checks that it is such a file
+(``check_memory_file``): a sealed memfd on tmpfs, of the owner's uid, fully allocated, of exactly the size the pool
+implies. It then maps it read-only and touches only the pages it copies, so it never allocates or faults in memory
+the owner chose beyond what it reads.
 
-Opening needs the same rights as CMA (the owner's uid, the same PID namespace); where they are missing, or the
-peer runs on another host, ``map_region`` says why and the caller reads over the network instead. A region is
-named by its host's boot id, the owner's pid and fd, and the file's inode and size, all checked on opening, so a
-reused pid or fd never maps someone else's memory.
+A peer copies pages out of the mapping with memcpy. UCX between processes on one host falls back to CMA
+(``process_vm_readv``) without xpmem, which pins every 4 KB page it copies and takes ~3x as long
+(``bench/bench_transfer.py``).
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import select
-import threading
+import stat
 import warnings
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14; Python 3.11's mmap module names neither
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap module does not name it
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""The seals a shared pool carries: its size is fixed for good, so no mapping of it can ever run past its end."""
+MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs"}  # statfs f_type of a memfd's filesystem
 
 
 @cache
@@ -37,43 +43,68 @@ def boot_id() -> str:
         return ""
 
 
-@dataclass(frozen=True)
-class SharedRegion:
-    """Where a peer on this host finds a shared buffer (plain values, JSON-safe: it travels in the PD handshake)."""
+@cache
+def mappable_bytes() -> int:
+    """The most a peer's pool may claim to hold: this host's physical memory (a larger one cannot be real)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
-    host: str  # boot id
-    pid: int
+
+@dataclass(frozen=True)
+class SharedFile:
+    """The owner's side of a shared buffer: the open memory file behind it (closed once the buffer's owner goes)."""
+
     fd: int
-    inode: int
     nbytes: int
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> SharedRegion:
-        return cls(str(d["host"]), int(d["pid"]), int(d["fd"]), int(d["inode"]), int(d["nbytes"]))
-
-
-def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, SharedRegion]:
-    """A zeroed host tensor in a memory file peers can map, with its pages faulted in now (as ``torch.zeros``
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, SharedFile]:
+    """A zeroed host tensor in a sealed memory file peers can map, with its pages faulted in now (as ``torch.zeros``
     would) so no copy pays for them later. The file is closed once ``owner`` is collected."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         raise ValueError("a shared buffer needs at least one byte")
-    fd = os.memfd_create("decode-worker-kv", os.MFD_CLOEXEC)
+    fd = os.memfd_create("decode-worker-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
+        os.fchmod(fd, 0o600)  # a memfd is created 0777: anyone who may reach it through /proc could reopen it
         os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         flat = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
         if _madvise(flat.data_ptr(), nbytes, MADV_POPULATE_WRITE) != 0:
             flat.zero_()  # an older kernel: fault the pages in by touching them
-        region = SharedRegion(boot_id(), os.getpid(), fd, os.fstat(fd).st_ino, nbytes)
     except BaseException:
         os.close(fd)
         raise
     weakref.finalize(owner, os.close, fd)
-    return flat.view(dtype).view(shape), region
+    return flat.view(dtype).view(shape), SharedFile(fd, nbytes)
+
+
+def check_memory_file(fd: int, nbytes: int, uid: int) -> str:
+    """Why the descriptor ``fd`` a peer sent may not be mapped as its pool of ``nbytes`` bytes, or ``""`` if it may:
+    it must be a memfd on a memory filesystem, of ``uid``, closed to other users, sealed to its size (``SEALS``),
+    exactly ``nbytes`` long and fully allocated (reading a hole would allocate memory here). Only looks at ``fd``:
+    nothing here opens a file or can block."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return f"it sent a file of type {stat.filemode(st.st_mode)[0]!r}, not a regular file"
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if not target.startswith("/memfd:"):
+        return f"it sent a file that is not a memory file ({target[:80]!r})"
+    filesystem = _filesystem(fd)
+    if filesystem not in MEMORY_FILESYSTEMS:
+        return f"its memory file lies on filesystem {filesystem:#x}, not tmpfs or hugetlbfs"
+    if st.st_uid != uid:
+        return f"its memory file belongs to uid {st.st_uid}, not {uid}"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"its memory file is open to other users (mode {stat.S_IMODE(st.st_mode):o})"
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & SEALS != SEALS:
+        return f"its memory file is not sealed against resizing (seals {seals:#x}, {SEALS:#x} needed)"
+    if st.st_size != nbytes:
+        return f"its memory file holds {st.st_size} bytes, its pool {nbytes}"
+    if st.st_blocks * 512 < nbytes:
+        return f"its memory file is sparse: {st.st_blocks * 512} of its {nbytes} bytes are allocated"
+    return ""
 
 
 @dataclass(eq=False)
@@ -84,7 +115,7 @@ class MappedRegion:
     pidfd: int
 
     def owner_exited(self) -> bool:
-        return _exited(self.pidfd)
+        return exited(self.pidfd)
 
     def close(self) -> None:
         """Forget the mapping: it is unmapped once no copy still holds ``pages``."""
@@ -93,56 +124,29 @@ class MappedRegion:
             self.pidfd = -1
 
 
-def map_region(region: SharedRegion, page_bytes: int) -> tuple[MappedRegion | None, str]:
-    """Map a peer's region read-only, as pages of ``page_bytes``: ``(mapping, "")``, or ``(None, why not)``."""
-    if not region.host or region.host != boot_id():
-        return None, "it runs on another host"
-    if region.nbytes % page_bytes:
-        return None, f"its region of {region.nbytes} bytes is not a whole number of {page_bytes}-byte pages"
-    try:
-        pidfd = os.pidfd_open(region.pid)  # first: if this is still the owner once the file checks out, it was
-    except OSError as e:                  # the owner all along, so a reused pid cannot slip in between
-        return None, f"its process {region.pid} cannot be watched ({e.strerror})"
-    try:
-        fd = os.open(f"/proc/{region.pid}/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        os.close(pidfd)
-        return None, f"its memory file cannot be opened here ({e.strerror})"
-    try:
-        st = os.fstat(fd)
-        if (st.st_ino, st.st_size) != (region.inode, region.nbytes) or _exited(pidfd):
-            os.close(pidfd)
-            return None, "its memory file is not the one it named (the process or file was replaced)"
-        memory = mmap.mmap(fd, region.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    except BaseException:
-        os.close(pidfd)
-        raise
-    finally:
-        os.close(fd)
+def map_read_only(fd: int, nbytes: int, page_bytes: int, pidfd: int) -> MappedRegion:
+    """Map the checked memory file ``fd`` read-only as pages of ``page_bytes``; ``pidfd`` watches its owner (the
+    mapping takes it over). No page is faulted in here: each copy faults in the pages it reads, and only those."""
+    memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: that is the point
         warnings.simplefilter("ignore", UserWarning)
         pages = torch.frombuffer(memory, dtype=torch.uint8).view(-1, page_bytes)
-    threading.Thread(target=_populate, args=(pages,), name="kv-map-populate", daemon=True).start()
-    return MappedRegion(pages, pidfd), ""
+    return MappedRegion(pages, pidfd)
 
 
-def _exited(pidfd: int) -> bool:
+def exited(pidfd: int) -> bool:
     """Whether the process ``pidfd`` refers to has exited (its pidfd reads ready then)."""
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
-POPULATE_CHUNK = 8 << 20
-"""Bytes of a mapping's page-table entries filled per call: each call holds our address space's lock, and a whole
-GB-sized pool in one call held it long enough to delay the first read by ~0.17 s (UCX takes the lock too)."""
 
-
-def _populate(pages: torch.Tensor) -> None:
-    """Fill a new mapping's page-table entries ahead of the reads (which would otherwise fault on every 4 KB page
-    they touch first), a chunk at a time, off the caller's path. Holding ``pages`` keeps the mapping alive."""
-    base, nbytes = pages.data_ptr(), pages.numel()
-    for offset in range(0, nbytes, POPULATE_CHUNK):
-        if _madvise(base + offset, min(POPULATE_CHUNK, nbytes - offset), MADV_POPULATE_READ) != 0:
-            return  # an older kernel: reads fault the pages in instead
+def _filesystem(fd: int) -> int:
+    """The ``f_type`` magic number of the filesystem ``fd`` lies on (``fstatfs``, which Python's os lacks)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _libc().fstatfs(fd, buf) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return ctypes.c_long.from_buffer(buf).value
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> int:

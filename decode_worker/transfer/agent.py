@@ -12,8 +12,9 @@ Progress is driven by our calls (no NIXL progress thread: it would spin on one o
 UCX copies with CMA inside the post call itself, so a read of ``INLINE_BYTES`` or more is posted from a copy thread
 and the event loop keeps serving. Measured with ``bench/bench_transfer.py``.
 
-A peer on the same host whose pool is shared (``core/shared_memory.py``) is mapped read-only once, and its pages
-are copied out with memcpy instead: CMA pins every 4 KB page it copies and takes ~3x as long. Only our own copy
+A peer on the same host whose pool is shared is mapped read-only once (its file comes over a Unix socket, off the
+event loop: ``transfer/pool_share.py``; on any failure it is read over NIXL), and its pages are copied out with
+memcpy instead: CMA pins every 4 KB page it copies and takes ~3x as long. Only our own copy
 writes our pages on that path too, and once the peer's process exits its mapping is dropped, so reads fail as
 ``peer_lost`` exactly as over NIXL. ``DECODE_WORKER_PD_SHARED_MEMORY=off`` keeps every read on NIXL.
 """
@@ -39,9 +40,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
-from decode_worker.core.shared_memory import MappedRegion, SharedRegion, map_region  # noqa: E402
+from decode_worker.core.shared_memory import MappedRegion, SharedFile, boot_id  # noqa: E402
 
 from .descriptors import PoolDescriptor  # noqa: E402
+from .pool_share import ask_for_pool, serve_pool, settled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 _nixl_logger = logging.getLogger("nixl")  # through our handlers (stderr), never stdout
@@ -57,7 +59,7 @@ POLL_S = 0.0005
 RETIRE_S = 5.0
 """How long a read that could not be cancelled may take to end before the read fails as ``unstoppable``."""
 SHARED_MEMORY_ENV = "DECODE_WORKER_PD_SHARED_MEMORY"
-"""``off`` (or ``false``, ``0``, ``no``): never map a peer's pool, read every page over NIXL. Default ``on``."""
+"""``off`` (or false, 0, no): neither map a peer's pool nor share ours; every read goes over NIXL. Default ``on``."""
 
 
 def shared_memory_enabled() -> bool:
@@ -87,24 +89,26 @@ class Peer:
     pool: PoolDescriptor
     dlist: object  # nixl_prepped_dlist_handle
     mapped: MappedRegion | None = None  # its pool, mapped read-only here: pages are copied without NIXL
+    mapping: asyncio.Task | None = None  # asking for its pool (``add_peer`` under a loop)
     connected: bool = False  # a NIXL read reached it, so notifications to it go out at once
 
 
 class KVAgent:
     """This worker's NIXL agent over its KV pool ``buffer`` (registered as host or device memory)."""
 
-    def __init__(self, buffer: torch.Tensor, role: str, shared: SharedRegion | None = None):
-        """``shared``: where peers on this host can map ``buffer`` (a shared ``KVPool``'s ``shared``)."""
+    def __init__(self, buffer: torch.Tensor, role: str, shared: SharedFile | None = None):
+        """``shared``: the memory file behind ``buffer`` (a shared ``KVPool``'s), served to peers on this host."""
         self.name = f"{role}-{uuid.uuid4().hex[:12]}"
+        self._map_peers = shared_memory_enabled()  # a bad value stops the worker at start, naming the variable
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)  # the copy thread posts too
         self.agent = nixl_agent(self.name, config)
-        self.pool = PoolDescriptor.of(self.name, buffer, shared)
+        self._pool_server = serve_pool(shared) if shared is not None and self._map_peers else None
+        self.pool = PoolDescriptor.of(self.name, buffer, self._pool_server and self._pool_server.region)
         self._buffer = buffer  # registered memory must outlive its registration
         self._registered = self.agent.register_memory([buffer])
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.pool.table(), self.pool.mem)
         self._peers: dict[str, Peer] = {}
-        self._map_peers = shared_memory_enabled()  # a bad value stops the worker at start, naming the variable
         self._scratch: tuple | None = None  # a registered page for ``_connect``'s test reads, made on first use
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
 
@@ -137,23 +141,30 @@ class KVAgent:
             self.agent.remove_remote_agent(name)
 
     def _map(self, peer: Peer) -> None:
-        """Map the peer's pool if it shares one on this host, and drop the mapping as soon as the peer exits (the
-        mapping would otherwise keep a dead worker's whole pool in memory)."""
+        """Start asking for a same-host peer's pool (off the loop, under a deadline); until mapped it is read over NIXL."""
         region = peer.pool.shared
         if region is None or "VRAM" in (peer.pool.mem, self.pool.mem) or not self._map_peers:
             return
-        if region.nbytes != peer.pool.num_pages * peer.pool.page_bytes:
-            peer.mapped, why = None, f"its shared region of {region.nbytes} bytes is not its pool"
-        else:
-            peer.mapped, why = map_region(region, peer.pool.page_bytes)
-        if peer.mapped is None:
-            logger.info("peer %s shares its KV pool, but it is read over NIXL: %s", peer.name, why)
+        if region.host != boot_id():
+            logger.info("peer %s shares its KV pool on another host: it is read over NIXL", peer.name)
             return
-        logger.info("peer %s is on this host: its KV pages are copied from its shared pool", peer.name)
-        try:
-            asyncio.get_running_loop().add_reader(peer.mapped.pidfd, self._unmap, peer)
-        except RuntimeError:  # no loop here: reads check for the peer's exit themselves
-            pass
+        peer.mapping = ask_for_pool(region, peer.pool.num_pages, peer.pool.page_bytes,
+                                    lambda mapped, why: self._attach(peer, mapped, why))
+
+    def _attach(self, peer: Peer, mapped: MappedRegion | None, why: str) -> None:
+        """Give the peer its mapping, watched so that it goes as soon as the peer exits (it would otherwise keep a
+        dead worker's whole pool in memory); or log why it is read over NIXL."""
+        if mapped is None:
+            logger.warning("peer %s shares its KV pool on this host, but it is read over NIXL: %s", peer.name, why)
+        elif self._peers.get(peer.name) is not peer:  # dropped while its pool was asked for
+            mapped.close()
+        else:
+            peer.mapped = mapped
+            logger.info("peer %s is on this host: its KV pages are copied from its shared pool", peer.name)
+            try:
+                asyncio.get_running_loop().add_reader(mapped.pidfd, self._unmap, peer)
+            except RuntimeError:  # no loop here: reads check for the peer's exit themselves
+                pass
 
     async def _connect(self, room: int, peer: Peer, deadline: float) -> bool:
         """Read the peer's page 0 into a private page once, before the first copy from its mapping, so the
@@ -170,7 +181,7 @@ class KVAgent:
             logger.debug("test read of %s: %r", peer.name, e)
             return False
         state = self._post(handle)
-        while state == "PROC" and asyncio.get_running_loop().time() < deadline:
+        while state == "PROC" and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
             state = self._state(handle)
         await self._retire(room, handle, state)  # one that cannot be stopped writes only our scratch page
@@ -201,6 +212,7 @@ class KVAgent:
         if self._peers.get(peer.name) is not peer:  # dropped (replaced by a restarted prefill): its handles are gone
             raise TransferError(room, "peer_lost", f"agent {peer.name} was replaced")
         ours, theirs = self.pool.indices(into), peer.pool.indices(source)  # ValueError for a page outside a pool
+        await settled(peer.mapping, deadline)
         if peer.mapped is not None and peer.mapped.owner_exited():
             self._unmap(peer)  # it died: fail as a NIXL read of a dead peer does, without its memory
         if peer.mapped is not None and not peer.connected:
@@ -271,6 +283,8 @@ class KVAgent:
         return [m for messages in self.agent.get_new_notifs().values() for m in messages]
 
     def close(self) -> None:
+        if self._pool_server is not None:
+            self._pool_server.close()
         self._copier.shutdown(wait=True)
         for name in list(self._peers):
             self.drop_peer(name)

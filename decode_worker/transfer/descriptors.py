@@ -4,7 +4,8 @@ A pool is page-major (``buffer[page, ...]``, see ``cache/pool.py``): one page, e
 contiguous run of ``page_bytes``, so the pool's descriptor list is one descriptor per page, in page order. The pool
 is registered once as one region and its list prepared once per side: a transfer then names pages by index only,
 one descriptor each, and the transfer library merges consecutive pages into one copy. A pool a peer on the same
-host can map (``core/shared_memory.py``) says where, so that peer copies its pages without the library.
+host can map says how to ask for it (``transfer/pool_share.py``), so that peer copies its pages without the
+library.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from decode_worker.core.shared_memory import SharedRegion
+from .pool_share import SharedRegion
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class PoolDescriptor:
     page_bytes: int  # one page, all layers, K and V; also the distance between two pages
     device: int = 0  # GPU index; 0 for host memory
     mem: str = "DRAM"  # or "VRAM"
-    shared: SharedRegion | None = None  # where a process on the same host can map the pool
+    shared: SharedRegion | None = None  # how a process on the same host asks for the pool, to map it
 
     @classmethod
     def of(cls, agent: str, buffer: torch.Tensor, shared: SharedRegion | None = None) -> PoolDescriptor:
@@ -42,9 +43,11 @@ class PoolDescriptor:
 
     @classmethod
     def from_dict(cls, d: dict) -> PoolDescriptor:
-        shared = d.get("shared")  # absent from a peer that cannot share its pool
+        """A peer's descriptor; a ``shared`` region that is present must be well formed (``ValueError`` names the
+        field), and one that is absent or null means the peer does not share its pool."""
+        shared = d.get("shared")
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k != "shared"},
-                   shared=SharedRegion.from_dict(shared) if shared else None)
+                   shared=None if shared is None else SharedRegion.from_dict(shared))
 
     def table(self) -> np.ndarray:
         """Every page as an ``[address, bytes, device]`` row, row ``i`` holding page ``i``."""

@@ -4,16 +4,20 @@ The peer is a child process with a ``KVAgent`` over a pool of seeded bytes, as a
 metadata and every notification it receives. Reads must land exactly the pages asked for, notify the peer once
 they landed, and fail fast and cleanly (never a write after the read returned) when the peer dies. Every test runs
 on both paths: ``nixl`` (the peer's pool is private, so reads go over NIXL's UCX backend, as between hosts) and
-``mapped`` (the peer shares its pool, as a prefill worker does, so decode on this host maps it and copies).
+``mapped`` (the peer shares its pool, as a prefill worker does, so decode on this host receives its file over a
+Unix socket, maps it and copies).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,8 +27,11 @@ import pytest
 import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.core.shared_memory import boot_id
+from decode_worker.transfer import pool_share
 from decode_worker.transfer.agent import SHARED_MEMORY_ENV, KVAgent, TransferError
 from decode_worker.transfer.descriptors import PoolDescriptor
+from decode_worker.transfer.pool_share import SharedRegion, socket_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("t@0", num_layers=4, num_kv_heads=2, head_dim=32, page_size=8, dtype=torch.float32)
@@ -195,6 +202,7 @@ def test_a_mapped_peer_that_exits_is_unmapped_without_waiting_for_a_read():
     with decode_side(peer) as (_, agent, _):
         async def go():
             remote = agent.add_peer(peer.metadata, peer.pool)  # again, under a running loop, which watches the peer
+            await remote.mapping  # asked for in a thread
             assert remote.mapped is not None
             peer.proc.kill()
             loop = asyncio.get_running_loop()
@@ -217,6 +225,9 @@ def test_mapping_can_be_turned_off_and_a_bad_setting_is_refused(monkeypatch):
         read(agent, remote, [4, 5], [9, 200])
         assert same_bytes(pool.buffer[[4, 5]], seeded(PAGES).buffer[[9, 200]])
         agent.close()
+        prefill = KVAgent(seeded(4, shared=True).buffer, "prefill", KVPool(LAYOUT, 4, shared=True).shared)
+        assert prefill.pool.shared is None  # nor does it serve its own pool
+        prefill.close()
         monkeypatch.setenv(SHARED_MEMORY_ENV, "sometimes")
         with pytest.raises(ValueError, match=SHARED_MEMORY_ENV):
             KVAgent(pool.buffer, "decode")
@@ -238,3 +249,67 @@ def test_a_mapped_peer_is_copied_from_without_nixl_once_connected():
             assert agent.notify(remote.name, b"release 9 9") and peer.next_notification() == "release 9 9"
     finally:
         peer.close()
+
+
+def mapped_rss(mapping: torch.Tensor) -> int:
+    """Bytes of ``mapping`` (a whole mapping) that are mapped into this process, from /proc/self/smaps."""
+    start = f"{mapping.data_ptr():x}-"
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(start))
+    return next(int(line.split()[1]) * 1024 for line in lines[at:] if line.startswith("Rss:"))
+
+
+def test_a_mapped_read_faults_in_only_the_pages_it_reads():
+    """Mapping a peer's pool costs nothing until pages are read, and a read faults in the pages it copies (plus the
+    kernel's read-around of a few 4 KB pages), never the peer's whole pool."""
+    peer = PeerProcess(BIG_PAGES, "mapped")
+    try:
+        with decode_side(peer, BIG_PAGES) as (pool, agent, remote):
+            time.sleep(0.3)  # anything running in the background would have faulted in the pool by now
+            assert mapped_rss(remote.mapped.pages) < (1 << 20)
+            read(agent, remote, [1, 2], [9, 3000])
+            time.sleep(0.3)
+            rss = mapped_rss(remote.mapped.pages)
+            assert 2 * LAYOUT.page_bytes <= rss < 2 * LAYOUT.page_bytes + (1 << 20), rss  # of a 64 MB pool
+            assert same_bytes(pool.buffer[[1, 2]], seeded(BIG_PAGES).buffer[[9, 3000]])
+    finally:
+        peer.close()
+
+
+def test_a_peer_whose_pool_socket_stalls_is_read_over_nixl_and_the_loop_keeps_running(monkeypatch, caplog):
+    """Its descriptor names a socket that takes the connection and never answers: asking runs in a thread, the
+    loop keeps serving, and after ``MAP_TIMEOUT_S`` the read goes over NIXL, with the reason in the log."""
+    monkeypatch.setattr(pool_share, "MAP_TIMEOUT_S", 0.3)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_name(os.getpid(), "5a" * 16))
+    listener.listen()
+    peer = PeerProcess(PAGES, "mapped")
+    stalled = dataclasses.replace(peer.pool, shared=SharedRegion(boot_id(), os.getpid(), "5a" * 16,
+                                                                   peer.pool.shared.nbytes, "0" * 64))
+    pool = KVPool(LAYOUT, PAGES)
+    agent = KVAgent(pool.buffer, "decode")
+    try:
+        async def go() -> float:
+            loop = asyncio.get_running_loop()
+            gaps, last = [], loop.time()
+
+            async def tick():
+                nonlocal last
+                while True:
+                    await asyncio.sleep(0.001)
+                    gaps.append(loop.time() - last)
+                    last = loop.time()
+            ticker = asyncio.ensure_future(tick())
+            remote = agent.add_peer(peer.metadata, stalled)
+            await agent.read(1, remote, [4, 5], [9, 200], time.monotonic() + 10)
+            ticker.cancel()
+            assert remote.mapped is None and len(gaps) > 50
+            return max(gaps)
+        with caplog.at_level(logging.WARNING, logger="decode_worker.transfer.agent"):
+            assert asyncio.run(go()) < 0.1
+        assert "did not answer in time" in caplog.text
+        assert same_bytes(pool.buffer[[4, 5]], seeded(PAGES).buffer[[9, 200]])
+    finally:
+        agent.close()
+        peer.close()
+        listener.close()

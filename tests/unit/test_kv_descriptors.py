@@ -8,6 +8,7 @@ import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.transfer.descriptors import PoolDescriptor
+from decode_worker.transfer.pool_share import PoolServer
 
 LAYOUT = KVLayout("t@0", num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
 
@@ -62,10 +63,30 @@ def test_descriptor_survives_the_handshake_json(pool):
     assert PoolDescriptor.from_dict(desc.to_dict()) == desc
 
 
-def test_a_shared_pool_descriptor_says_where_to_map_it_and_survives_the_json():
+def test_a_shared_pool_descriptor_says_how_to_ask_for_it_and_survives_the_json():
     shared = KVPool(LAYOUT, 10, shared=True)
-    desc = PoolDescriptor.of("a", shared.buffer, shared.shared)
-    wire = json.loads(json.dumps(desc.to_dict()))
-    assert PoolDescriptor.from_dict(wire) == desc and desc.shared.nbytes == 10 * LAYOUT.page_bytes
-    del wire["shared"]  # a peer that does not share its pool (or predates sharing) is read over NIXL
-    assert PoolDescriptor.from_dict(wire).shared is None
+    server = PoolServer(shared.shared)
+    try:
+        desc = PoolDescriptor.of("a", shared.buffer, server.region)
+        wire = json.loads(json.dumps(desc.to_dict()))
+        assert PoolDescriptor.from_dict(wire) == desc and desc.shared.nbytes == 10 * LAYOUT.page_bytes
+        assert desc.shared.key not in repr(desc)  # the key that unlocks the pool stays out of logs
+        for absent in (None, "drop"):  # a peer that does not share its pool (or predates sharing): read over NIXL
+            if absent == "drop":
+                del wire["shared"]
+            else:
+                wire["shared"] = None
+            assert PoolDescriptor.from_dict(wire).shared is None
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("shared, field", [
+    ({"host": "x", "pid": 1, "fd": 5, "inode": 7, "nbytes": 64}, "shared.socket"),  # an old-style region: no path
+    ("yes", "shared"),
+    ({}, "shared.host"),
+])
+def test_a_malformed_shared_region_is_refused_naming_the_field(pool, shared, field):
+    wire = {**PoolDescriptor.of("a", pool.buffer).to_dict(), "shared": shared}
+    with pytest.raises(ValueError, match=field):
+        PoolDescriptor.from_dict(wire)

@@ -1,0 +1,328 @@
+"""Handing a shared KV pool to a peer on the same host: its file descriptor over a Unix socket, never a path.
+
+The pool's owner (a prefill worker) listens on an abstract Unix socket whose name is its pid and a random id
+(``PoolServer``). Its pool descriptor, sent only in handshake answers, carries that id, a random key and the
+pool's size (``SharedRegion``). A peer (a decode worker) that finds the same boot id derives the name itself,
+connects, checks with ``SO_PEERCRED`` that the process at the other end is the pid the descriptor names and runs
+under its own uid, sends the key, and receives the descriptor with ``SCM_RIGHTS`` (``receive_pool``). It checks the
+file (``core/shared_memory.py``'s ``check_memory_file``) and maps it read-only. The owner sends the file only to a
+process of its own uid that presents the key, so a local process that never got a handshake answer cannot pull it.
+
+Abstract sockets live in a network namespace and ``SO_PEERCRED`` reports pids as the receiver's PID namespace
+sees them: peers in different namespaces fail to connect, or fail the pid check, and read over NIXL instead.
+Every step has a deadline; ``receive_pool`` blocks for at most its timeout, so callers on an event loop run it in a
+thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import re
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from decode_worker.core.shared_memory import (
+    MappedRegion,
+    SharedFile,
+    boot_id,
+    check_memory_file,
+    exited,
+    map_read_only,
+    mappable_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+SOCKET_PREFIX = "decode-worker-kv"
+MAP_TIMEOUT_S = 1.0
+"""How long asking a peer for its pool may take (connect, receive, check, map) before it is read over NIXL."""
+_ASKER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pool-ask")  # not queued behind others' work
+REQUEST_S = 1.0
+"""How long the owner waits for a connected peer to send its key before it hangs up."""
+MAX_CLIENTS = 16
+"""Connections the owner serves at once; more are closed at once (each costs a socket until ``REQUEST_S``)."""
+_HEX = {"socket": re.compile(r"[0-9a-f]{32}"), "key": re.compile(r"[0-9a-f]{64}")}
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def socket_name(pid: int, socket_id: str) -> bytes:
+    """The abstract socket a pool's owner listens on, derived from its pid and the id it announced."""
+    return f"\0{SOCKET_PREFIX}-{pid}-{socket_id}".encode()
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """How a peer on this host asks for a shared pool (plain values, JSON-safe: it travels in the handshake answer).
+    ``key`` is a secret: it stays out of ``repr`` and logs."""
+
+    host: str  # boot id
+    pid: int  # the owner's
+    socket: str  # random id in the socket's name
+    nbytes: int
+    key: str = field(repr=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> SharedRegion:
+        """Parse and check a peer's region; ``ValueError`` names the bad field (``shared.<field>``)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"shared: expected an object, got {type(d).__name__}")
+        host = _field(d, "host", str)
+        if not 0 < len(host) <= 64:
+            raise ValueError("shared.host: expected a boot id of 1 to 64 characters")
+        pid, nbytes = _field(d, "pid", int), _field(d, "nbytes", int)
+        if pid <= 0 or nbytes <= 0:
+            raise ValueError(f"shared.{'pid' if pid <= 0 else 'nbytes'}: expected a positive integer")
+        for name, pattern in _HEX.items():
+            if not pattern.fullmatch(_field(d, name, str)):
+                raise ValueError(f"shared.{name}: expected {pattern.pattern}")
+        return cls(host, pid, d["socket"], nbytes, d["key"])
+
+
+def _field(d: dict, name: str, kind: type):
+    value = d.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"shared.{name}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a connected Unix socket, as the kernel recorded them."""
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid
+
+
+class PoolServer:
+    """Serves the owner's sealed pool file to peers of its uid that present the key, from a thread of its own.
+
+    ``region`` is what the pool descriptor announces. The server keeps its own duplicate of the file descriptor,
+    so it never sends a number the pool's owner closed and the process reused."""
+
+    def __init__(self, shared: SharedFile):
+        self._fd = os.dup(shared.fd)
+        self._key = secrets.token_hex(32)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            socket_id = secrets.token_hex(16)
+            self._listener.bind(socket_name(os.getpid(), socket_id))
+            self._listener.listen(MAX_CLIENTS)
+            self._listener.setblocking(False)
+        except BaseException:
+            self._listener.close()
+            os.close(self._fd)
+            raise
+        self.region = SharedRegion(boot_id(), os.getpid(), socket_id, shared.nbytes, self._key)
+        self._wake, self._woken = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="kv-pool-share", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving (the socket's name goes with it) and close our descriptor of the file."""
+        if self._thread.is_alive():
+            self._wake.send(b"x")
+            self._thread.join(5)
+        for s in (self._wake, self._woken, self._listener):
+            s.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _serve(self) -> None:
+        clients: dict[socket.socket, tuple[float, bytes]] = {}  # connection -> (deadline, what it sent so far)
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._woken, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                wait = min((deadline for deadline, _ in clients.values()), default=now + 3600) - now
+                for key, _ in selector.select(max(0.0, wait)):
+                    if key.fileobj is self._woken:
+                        for conn in clients:
+                            conn.close()
+                        return
+                    try:
+                        if key.fileobj is self._listener:
+                            self._accept(selector, clients)
+                        else:
+                            self._receive(selector, clients, key.fileobj)
+                    except Exception:  # a bug: one connection is lost, the pool stays served
+                        logger.exception("pool share: serving a connection failed")
+                        if key.fileobj in clients:
+                            self._hang_up(selector, clients, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in clients.items() if deadline <= now]:
+                    logger.warning("pool share: a local process connected and sent no key within %.1f s", REQUEST_S)
+                    self._hang_up(selector, clients, conn)
+
+    def _accept(self, selector: selectors.BaseSelector, clients: dict) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: the peer reads over NIXL
+                logger.warning("pool share: cannot accept a connection: %r", e)
+                return
+            if len(clients) >= MAX_CLIENTS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            clients[conn] = (time.monotonic() + REQUEST_S, b"")
+            selector.register(conn, selectors.EVENT_READ)
+
+    def _receive(self, selector: selectors.BaseSelector, clients: dict, conn: socket.socket) -> None:
+        deadline, request = clients[conn]
+        try:
+            chunk = conn.recv(128)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        request += chunk
+        if b"\n" in request:
+            try:
+                self._answer(conn, request.partition(b"\n")[0])
+            except OSError as e:  # the peer left: it reads over NIXL
+                logger.debug("pool share: answering a peer failed: %r", e)
+        elif chunk and len(request) <= 128:
+            clients[conn] = (deadline, request)
+            return
+        self._hang_up(selector, clients, conn)
+
+    def _answer(self, conn: socket.socket, key: bytes) -> None:
+        """Send the file to a process of our uid that presents the key; anyone else gets a refusal without it."""
+        pid, uid = peer_credentials(conn)
+        if uid != os.getuid():
+            why = f"uid {uid} is not ours"
+        elif not hmac.compare_digest(key, self._key.encode()):
+            why = "wrong key"
+        else:
+            socket.send_fds(conn, [b"ok"], [self._fd])
+            return
+        logger.warning("pool share: refused process %d: %s", pid, why)
+        conn.send(f"refused: {why}".encode())
+
+    @staticmethod
+    def _hang_up(selector: selectors.BaseSelector, clients: dict, conn: socket.socket) -> None:
+        selector.unregister(conn)
+        del clients[conn]
+        conn.close()
+
+
+def serve_pool(shared: SharedFile) -> PoolServer | None:
+    """A server handing our pool to peers on this host; None, logged, where the host refuses one (peers then read
+    it over NIXL)."""
+    try:
+        return PoolServer(shared)
+    except OSError as e:
+        logger.warning("the KV pool is not shared with peers on this host (they read it over NIXL): %r", e)
+        return None
+
+
+def ask_for_pool(region: SharedRegion, num_pages: int, page_bytes: int,
+                 done: Callable[[MappedRegion | None, str], None]) -> asyncio.Task | None:
+    """Ask for ``region``'s pool (``receive_pool``, at most ``MAP_TIMEOUT_S``) and hand ``done`` the mapping or why
+    not: from a thread under a running loop, which never waits (the task is returned: ``settled`` waits for it);
+    here and now without a loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        done(*receive_pool(region, num_pages, page_bytes, MAP_TIMEOUT_S))
+        return None
+    return loop.create_task(_ask(loop, region, num_pages, page_bytes, done))
+
+
+async def _ask(loop: asyncio.AbstractEventLoop, region: SharedRegion, num_pages: int, page_bytes: int,
+               done: Callable[[MappedRegion | None, str], None]) -> None:
+    work = loop.run_in_executor(_ASKER, receive_pool, region, num_pages, page_bytes, MAP_TIMEOUT_S)
+    try:
+        mapped, why = await asyncio.shield(work)
+    except asyncio.CancelledError:  # the loop is closing: the mapping, when it comes, is nobody's
+        work.add_done_callback(_close_unclaimed)
+        raise
+    except Exception as e:  # a bug, not the peer's doing: it is still read over NIXL, and the log says why
+        mapped, why = None, f"asking for it failed: {e!r}"
+    done(mapped, why)
+
+
+def _close_unclaimed(work: asyncio.Future) -> None:
+    if not work.cancelled() and work.exception() is None and work.result()[0] is not None:
+        work.result()[0].close()
+
+
+async def settled(asking: asyncio.Task | None, deadline: float) -> None:
+    """Wait until ``asking`` (from ``ask_for_pool``) has ended, for at most ``MAP_TIMEOUT_S`` and never past
+    ``deadline`` (``time.monotonic()``)."""
+    if asking is not None and not asking.done():
+        await asyncio.wait({asking}, timeout=max(0.0, min(deadline - time.monotonic(), MAP_TIMEOUT_S)))
+
+
+def receive_pool(region: SharedRegion, num_pages: int, page_bytes: int, timeout_s: float,
+                 uid: int | None = None) -> tuple[MappedRegion | None, str]:
+    """Ask the owner of ``region`` for its pool of ``num_pages`` pages of ``page_bytes`` and map it read-only:
+    ``(mapping, "")``, or ``(None, why not)``. The sender must be the pid ``region`` names and run as ``uid``
+    (default ours). Blocks for at most ``timeout_s``: run it off an event loop."""
+    deadline = time.monotonic() + timeout_s
+    uid = os.getuid() if uid is None else uid
+    if region.host != boot_id():
+        return None, "it runs on another host"
+    if region.nbytes != num_pages * page_bytes:
+        return None, f"its region of {region.nbytes} bytes is not its pool of {num_pages} pages of {page_bytes} bytes"
+    if region.nbytes > mappable_bytes():
+        return None, f"its region of {region.nbytes} bytes is larger than this host's memory"
+    try:
+        pidfd = os.pidfd_open(region.pid)  # first: if this is still the sender once the file checks out, it was
+    except OSError as e:                  # the sender all along, so a reused pid cannot slip in between
+        return None, f"its process {region.pid} cannot be watched ({e.strerror})"
+    try:
+        fd, why = _fetch(region, uid, deadline)
+        if fd >= 0:
+            try:
+                why = check_memory_file(fd, region.nbytes, uid) or ("its process exited" if exited(pidfd) else "")
+                if not why:
+                    return map_read_only(fd, region.nbytes, page_bytes, pidfd), ""
+            finally:
+                os.close(fd)
+    except OSError as e:
+        why = f"its memory file cannot be checked or mapped ({e!r})"
+    except BaseException:
+        os.close(pidfd)
+        raise
+    os.close(pidfd)
+    return None, why
+
+
+def _fetch(region: SharedRegion, uid: int, deadline: float) -> tuple[int, str]:
+    """The file descriptor the owner of ``region`` sends once it gets the key: ``(fd, "")`` or ``(-1, why not)``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        try:
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
+            sock.connect(socket_name(region.pid, region.socket))
+            pid, their_uid = peer_credentials(sock)
+            if pid != region.pid:
+                return -1, f"its pool socket is served by process {pid}, not {region.pid}"
+            if their_uid != uid:
+                return -1, f"its pool socket is served by uid {their_uid}, not {uid}"
+            sock.sendall(region.key.encode() + b"\n")
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
+            message, fds, flags, _ = socket.recv_fds(sock, 128, 1, socket.MSG_CMSG_CLOEXEC)
+        except TimeoutError:
+            return -1, "its pool socket did not answer in time"
+        except OSError as e:
+            return -1, f"its pool socket cannot be reached ({e.strerror or e!r})"
+    if len(fds) == 1 and message == b"ok" and not flags & socket.MSG_CTRUNC:
+        return fds[0], ""
+    for fd in fds:
+        os.close(fd)
+    return -1, f"its pool socket answered {message[:80]!r} with {len(fds)} descriptors"
