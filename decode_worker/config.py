@@ -51,11 +51,16 @@ class ServerConfig(BaseSettings):
     port: int = _opt("HTTP port", 30000)
     dtype: str = _opt("weights and KV dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on "
                       "CPU)", "auto")
-    max_total_tokens: int = _opt("L1 (device) KV capacity in tokens", 32768)
+    max_total_tokens: int = _opt("L1 (device) KV capacity in tokens; unset with L1 on CUDA: sized from the memory "
+                                 "free after the weights by --mem-fraction-static", 32768)
+    mem_fraction_static: float = _opt("with L1 on CUDA and --max-total-tokens unset: the share of device memory "
+                                      "weights and KV pool may take (the rest: activations, CUDA graphs)",
+                                      0.85)  # cache/sizing.py's MEM_FRACTION_STATIC
     page_size: int = _opt("tokens per KV page", 16)
     max_running_requests: int = _opt("largest decode batch", 64)
     max_prefill_tokens: int = _opt("most new prompt tokens computed in one extend step", 4096)
-    cuda_graph_max_bs: int = _opt("largest batch captured as a CUDA graph (0 turns graphs off)", 64)
+    cuda_graph_max_bs: int = _opt("largest batch captured as a CUDA graph, at most --max-running-requests (0 turns "
+                                  "graphs off)", 256)
     ucx_host: str = _opt("unused since KV moves over NIXL (decode reads from prefill at the address in its agent's "
                          "metadata); accepted so existing command lines start, with a warning when set", "127.0.0.1")
     ucx_port: int = _opt("unused since KV moves over NIXL (no listener of ours); accepted so existing command lines "
@@ -128,6 +133,8 @@ class ServerConfig(BaseSettings):
             raise ConfigError("--max-request-body-bytes and --max-concurrent-requests must be at least 1")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of {self.page_size}")
+        if not 0 < self.mem_fraction_static < 1 or self.cuda_graph_max_bs < 0:
+            raise ConfigError("--mem-fraction-static must be between 0 and 1 and --cuda-graph-max-bs at least 0")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
         if self.hicache_storage_backend != "none" and not self.disaggregation_decode_enable_hicache:

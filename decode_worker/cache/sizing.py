@@ -94,3 +94,32 @@ def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_a
     if device_pool.device.type == "cuda":
         pin_in_place(pool.buffer, owner=pool, cuda_available=cuda_available)
     return pool
+
+
+MEM_FRACTION_STATIC = 0.85  # the --mem-fraction-static default
+
+
+def device_pool_tokens(model, page_size: int, dtype: torch.dtype, mem_fraction_static: float = MEM_FRACTION_STATIC,
+                       device: torch.device | str | None = None, free_bytes: int | None = None,
+                       total_bytes: int | None = None) -> int:
+    """L1 capacity in tokens on CUDA when ``--max-total-tokens`` is not given, as SGLang's ``--mem-fraction-static``
+    sizes it: weights and the KV pool together take at most that fraction of the device's memory. Called after the
+    weights are loaded, so the pool gets what is free now (``free_bytes``, else what CUDA reports once the allocator's
+    cache is emptied) less the ``1 - mem_fraction_static`` of the total (``total_bytes``) kept back for what comes
+    after the pool: activations, the CUDA graphs, the copy engine's staging. ``model`` gives the KV geometry
+    (``num_layers``, ``num_kv_heads``, ``head_dim``); one page goes to the runner's scratch page."""
+    if not 0 < mem_fraction_static < 1:
+        raise ValueError(f"--mem-fraction-static must be between 0 and 1, got {mem_fraction_static}")
+    layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
+    if free_bytes is None or total_bytes is None:
+        torch.cuda.empty_cache()  # blocks the loader freed still count as used until then
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    kept = (1 - mem_fraction_static) * total_bytes
+    pages = int((free_bytes - kept) // layout.page_bytes) - 1  # less the scratch page
+    if pages < 1:
+        raise InsufficientDeviceMemory(
+            f"no room for a KV pool: {free_bytes / GB:.2f} GB free after the weights, and --mem-fraction-static "
+            f"{mem_fraction_static} keeps {kept / GB:.2f} GB of the device's {total_bytes / GB:.2f} GB for activations "
+            f"and CUDA graphs (one page is {layout.page_bytes} bytes). Raise --mem-fraction-static or set "
+            "--max-total-tokens.")
+    return pages * page_size
