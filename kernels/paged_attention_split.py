@@ -1,7 +1,8 @@
 """Split-KV (flash-decoding) paged decode attention: the sequence is cut into splits so small batches fill the GPU.
 
 The one-pass kernel in :mod:`.paged_attention` runs one program per (request, kv head): at batch 1 with 8 kv heads
-that is 8 programs on a 132-SM GPU, each reading the whole context alone. Here stage 1 runs one program per
+that is 8 programs on a 132-SM GPU, each reading the whole context alone. This kernel serves every CUDA decode
+batch; where the batch already fills the GPU it runs with one split (stage 2 then only copies the result out). Here stage 1 runs one program per
 (request, kv head, split), scoring the split's tokens for all query heads of the GQA group with ``tl.dot`` (the
 group padded to 16 rows, the smallest ``tl.dot`` shape) and writing a normalised partial output with its
 log-sum-exp; stage 2 merges a request's splits per query head. Same inputs and layout as the one-pass kernel:
@@ -24,8 +25,12 @@ try:
 except ImportError:  # CPU-only installs never call this module (the dispatcher checks for CUDA first)
     triton = None
 
-BLOCK_N = 64  # tokens per tl.dot step
-NUM_WARPS = 8  # head_dim 128, BLOCK_N 64, bf16, sm_90: 4 warps spill past 255 registers, 8 use ~194 (tested)
+# Stage 1's tile, picked by compiling for sm_90 as the launch specialises it (unit strides constant, 16-byte aligned
+# pointers): head_dim 128 in bf16 takes 64 registers a thread at 32 tokens and 8 warps, so 4 programs share an SM
+# (half its warps); 64 tokens take 80 (3 programs). tests/unit/test_split_attention.py checks it; the GPU probe
+# times both tiles.
+BLOCK_N = 32  # tokens per tl.dot step
+NUM_WARPS = 8
 NUM_STAGES = 2
 MIN_SPLIT_TOKENS = 256  # shorter splits cost more in stage 2 and partial traffic than they add in parallelism
 MAX_SPLITS = 64  # bounds the partial buffers and stage 2's loop
@@ -49,14 +54,6 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_pays(q: torch.Tensor, k_pages: torch.Tensor, page_table: torch.Tensor) -> bool:
-    """Whether to take the split kernel: when the sequence gets cut at all, i.e. batch x kv heads leaves SMs idle
-    and the page table holds more than one split's worth of tokens. Not yet measured: bench/gpu_probe.py times
-    both kernels at batch 1/64 so the first GPU run can move this line."""
-    max_tokens = page_table.shape[1] * k_pages.shape[1]
-    return choose_num_splits(q.shape[0], k_pages.shape[2], max_tokens, sm_count(q.device)) > 1
 
 
 if triton is not None:
@@ -161,6 +158,7 @@ if triton is not None:
             acc = acc * alpha + weight * part
             total = total * alpha + weight
             m = m_new
+        total = tl.where(total > 0, total, 1.0)  # a zero-length request has no split: its output is 0, not NaN
         tl.store(out_ptr + b * stride_ob + head * stride_oh + d * stride_od, acc / total, mask=d_mask)
 
 

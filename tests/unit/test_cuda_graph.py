@@ -1,7 +1,7 @@
 """Decode graphs: replay equals the eager step, and every tensor a captured step reads is the graph runner's own.
 
 On CPU the graphs are ``EagerGraph`` stand-ins (replay reruns the captured step on the captured tensors), which
-exercises buckets, padding and buffer ownership; the real CUDA graphs run where a GPU is present.
+exercises buckets, padding and buffer ownership; tests/gpu/test_cuda_graph_gpu.py runs the real CUDA graphs.
 """
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ from decode_worker.model.cuda_graph import DecodeGraphs
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel, load_model
 from decode_worker.model.runner import ModelRunner
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def churn_allocator(device: str) -> None:
     """Allocate, fill and free many small index-sized tensors: the blocks a freed capture temporary would get."""
@@ -54,9 +51,10 @@ def replay_matches_eager(graphs: ModelRunner, eager: ModelRunner, sizes: tuple[i
         assert (outs[0] - outs[1]).abs().max().item() < 1e-4, bs
 
 
-def cpu_runners(loaded: LoadedModel) -> tuple[ModelRunner, ModelRunner, list[ForwardBatch]]:
+def cpu_runners(loaded: LoadedModel, max_bs: int = 16, tokens: int = 4096) -> tuple[ModelRunner, ModelRunner,
+                                                                                     list[ForwardBatch]]:
     """A runner with CPU stand-in graphs, an eager one, and every batch the captured steps were called with."""
-    graphs, eager = (ModelRunner(loaded, max_total_tokens=4096, page_size=4) for _ in range(2))
+    graphs, eager = (ModelRunner(loaded, max_total_tokens=tokens, page_size=4) for _ in range(2))
     model, seen = graphs.model, []
 
     def spy(fb: ForwardBatch, pool) -> torch.Tensor:
@@ -64,7 +62,7 @@ def cpu_runners(loaded: LoadedModel) -> tuple[ModelRunner, ModelRunner, list[For
         return model(fb, pool)
 
     graphs.model = spy
-    graphs.graphs = DecodeGraphs(graphs, 16)
+    graphs.graphs = DecodeGraphs(graphs, max_bs)
     graphs.model = model
     return graphs, eager, seen
 
@@ -87,12 +85,14 @@ def test_stand_in_replay_after_allocator_churn_matches_eager(tiny_models, rows: 
     replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cpu", rows)
 
 
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("rows", [False, True], ids=["full_build", "page_table_rows"])
-def test_graph_replay_after_allocator_churn_matches_eager(tiny_models, rows: bool):
-    loaded = load_model(tiny_models["llama"], device="cuda", tokenizer=False)
-    graphs = ModelRunner(loaded, max_total_tokens=4096, page_size=4, cuda_graph_max_bs=16)
-    eager = ModelRunner(loaded, max_total_tokens=4096, page_size=4)
-    assert graphs.graphs is not None and eager.graphs is None
-    replay_matches_eager(graphs, eager, (1, 3, 8, 13), "cuda", rows)
+def test_default_graphs_reach_batch_256_with_padded_sizes_between(tiny_models):
+    """``--cuda-graph-max-bs`` defaults to 256 as SGLang's does: batches 65 and 256 replay from graphs (65 padded to
+    the 80 bucket, its padding rows on the scratch page) and equal the eager step; no bucket pads more than 15 rows."""
+    from decode_worker.config import ServerConfig
+
+    max_bs = ServerConfig().cuda_graph_max_bs
+    graphs, eager, _ = cpu_runners(load_model(tiny_models["llama"], tokenizer=False), max_bs, tokens=16384)
+    buckets = graphs.graphs.buckets
+    assert buckets[-1] == 256 and buckets[:4] == [1, 2, 4, 8]
+    assert all(b - a <= 16 for a, b in zip(buckets, buckets[1:]))
+    replay_matches_eager(graphs, eager, (65, 256), "cpu", rows=True)

@@ -81,12 +81,3 @@ def test_pin_in_place_registers_a_views_own_bytes(cuda_calls):
 def test_pin_in_place_does_nothing_without_cuda(cuda_calls):
     assert not host_memory.pin_in_place(torch.zeros(8), owner=SimpleNamespace(), cuda_available=False)
     assert not cuda_calls
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_registered_l2_pool_is_pinned_on_cuda():
-    from decode_worker.cache.pool import KVPool
-
-    pool = make_host_pool(LAYOUT, 100, KVPool(LAYOUT, 4, device="cuda"))
-    assert pool.buffer.is_pinned() and pool.buffer.untyped_storage().nbytes() == 100 * LAYOUT.page_bytes
