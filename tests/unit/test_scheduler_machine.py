@@ -1,6 +1,8 @@
 """A hypothesis state machine over the real Scheduler on a tiny random-weight model.
 
-Rules submit colocated and PD requests (whose prefill peer answers now, later, never, or whose KV read fails),
+Rules submit colocated and PD requests to one of two prefill peers (whose handshake answers now, later, never, or
+whose KV read fails), flood the queue's head with more requests for a third, stalled peer than one peer may look
+ahead for,
 answer or fail peers, land or fail reads, abort, step (running the L1<->L2 copies or leaving them in flight, as
 ``StepEngine`` lets a test decide) and step with a forward that raises. L1 is small, so requests retract and the
 tree evicts. After every rule the machine checks page ownership, queues, page-table rows, what a PD request
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import random
 from collections import Counter
 
@@ -30,12 +33,12 @@ from hypothesis.stateful import (
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.pool import KVPool
 from decode_worker.core.lifecycle import ReqState
-from decode_worker.core.request import GenerateInput, RequestError
+from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
-from decode_worker.scheduler.admission import Admission
+from decode_worker.scheduler.admission import PEER_LOOKAHEAD, Admission
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import KVTransfer, Req
 from decode_worker.scheduler.scheduler import Scheduler
@@ -52,7 +55,9 @@ INJECTED = "injected forward failure"
 HITS: Counter[str] = Counter()  # what the rules and steps did, by name
 BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an unanswered peer", "peer answered late",
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
-            "abort QUEUED", "abort TRANSFERRING", "abort RUNNING")
+            "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer")
+PEERS = (1, 2)  # the bootstrap ports of the healthy peers
+STALLED = 3  # the port of the peer whose requests flood the queue's head
 
 
 class ScriptedPeer(PeerKV):
@@ -67,6 +72,7 @@ class ScriptedPeer(PeerKV):
         self.received: set[str] = set()  # requests whose receive was called: admitted
         self.forgotten: set[str] = set()  # requests the scheduler told to stop their handshake
         self.stray_writes: list[str] = []  # reads that ended after their pages were no longer the request's
+        self.prepared: set[str] = set()  # requests whose handshake admission started (``prepare``)
 
     def owns(self, req: Req, pages) -> bool:
         return req.handle is not None and set(pages.tolist()) <= set(req.handle.delta_pages.tolist())
@@ -74,8 +80,13 @@ class ScriptedPeer(PeerKV):
     def receives(self, req: Req) -> bool:
         return req.rid in self.peers and not req.seq.output_ids
 
+    def prepare(self, req: Req, wakeup) -> None:
+        if req.rid in self.peers:
+            self.prepared.add(req.rid)
+
     def answered(self, req: Req) -> bool:
-        return self.peers.get(req.rid) != "pending"
+        """A handshake answers only once it was started, as ``DeltaKVFetcher``'s does."""
+        return req.rid in self.prepared and self.peers.get(req.rid) != "pending"
 
     def forget(self, req: Req) -> None:
         self.forgotten.add(req.rid)
@@ -114,9 +125,9 @@ async def cancel_all(tasks) -> None:
 def marks_failure(check):
     """Mark the machine failed when ``check`` fails, so that teardown does not drive a broken scheduler on."""
     @functools.wraps(check)
-    def checked(self) -> None:
+    def checked(self, *args) -> None:
         try:
-            check(self)
+            check(self, *args)
         except BaseException:
             self.failed = True
             raise
@@ -138,6 +149,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count = 0
         self.failed_steps = 0
         self.failed = False  # a rule or check failed: teardown must not bury that failure under its own
+        self.flooded = False  # the stalled peer's requests were submitted
 
     # ---- helpers ----------------------------------------------------------------------------------------------
 
@@ -193,15 +205,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = build(self.model, l1, host, policy, max_running)
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=TAILS, max_new=st.integers(1, 16),
-          mode=st.sampled_from(["colocated", "answered", "answered", "pending"]))
-    def submit(self, prefix: int, tail: list[int], max_new: int, mode: str) -> None:
+          mode=st.sampled_from(["colocated", "answered", "answered", "pending"]), port=st.sampled_from(PEERS))
+    def submit(self, prefix: int, tail: list[int], max_new: int, mode: str, port: int) -> None:
+        self.add_request(PREFIXES[prefix] + tail, max_new, mode, port)
+
+    def add_request(self, prompt: list[int], max_new: int, mode: str, port: int) -> None:
         rid = f"r{self.count}"
         self.count += 1
+        boot = None
         if mode != "colocated":
             self.peer.peers[rid] = mode
+            boot = Bootstrap("127.0.0.1", port, self.count)
         params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
-        self.sched.submit(GenerateInput(rid, PREFIXES[prefix] + tail, params))
+        self.sched.submit(GenerateInput(rid, prompt, params, bootstrap=boot))
         self.reqs[rid], self.events[rid], self.allowed[rid] = self.sched.requests[rid], [], set()
+
+    @precondition(lambda self: not self.flooded)
+    @rule(extra=st.integers(1, 4), tail=TAILS)
+    def stalled_peer_floods_the_queue(self, extra: int, tail: list[int]) -> None:
+        """More requests than one peer may look ahead for, all for a peer that does not answer (it may later
+        answer or refuse, as any pending peer): requests for the other peers queued behind them must still
+        start their handshakes. Once per run: each such request stays queued until its peer moves."""
+        self.flooded = True
+        for _ in range(PEER_LOOKAHEAD + extra):
+            self.add_request(PREFIXES[2] + tail, 1, "pending", STALLED)
 
     @precondition(lambda self: self.peers_in("pending"))
     @rule(data=st.data(), ok=st.booleans())
@@ -248,6 +275,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             before = self.snapshot()
             self.on_loop(self.sched.step_sync)
             self.note_step(*before)
+            self.each_peer_looks_ahead(before[-1])
 
     def snapshot(self) -> tuple:
         counters = self.sched.cache.counters
@@ -263,6 +291,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         pending = [i for i, r in enumerate(queued) if self.peer.peers.get(r.rid) == "pending"]
         if pending and any(r.state not in (S.QUEUED, S.MATCHING) for r in queued[pending[0] + 1:]):
             HITS["admitted past an unanswered peer"] += 1
+
+    @marks_failure
+    def each_peer_looks_ahead(self, queued: list[Req]) -> None:
+        """After a step, each peer's first ``PEER_LOOKAHEAD`` requests in the queue the step began with have their
+        handshakes started, however many requests other peers have ahead of them."""
+        seen: Counter[int] = Counter()
+        for req in queued:
+            if req.rid not in self.peer.peers or req.seq.output_ids or req.aborted is not None:
+                continue  # an aborted request left the queue as the step began
+            port = req.inp.bootstrap.port
+            seen[port] += 1
+            if seen[port] <= PEER_LOOKAHEAD:
+                assert req.rid in self.peer.prepared, (
+                    f"{req.rid}'s handshake (peer {port}, {seen[port]}th of its queued requests) was not started; "
+                    f"queued per peer: {dict(seen)}")
+                if port != STALLED and seen[STALLED] >= PEER_LOOKAHEAD:
+                    HITS["a peer's handshake started behind a stalled peer"] += 1
 
     @precondition(lambda self: self.sched.requests and self.failed_steps < 2)
     @rule()
@@ -502,6 +547,10 @@ def _forget_nothing(self, req):
     pass
 
 
+def _one_window_for_all_peers(queue):
+    return itertools.islice(queue, PEER_LOOKAHEAD)
+
+
 fail, add, grow = Scheduler._fail, Queues.add, Scheduler._grow
 PLANTED = {
     "admits a request whose peer has not answered": (Admission, "_first_answered", _admit_unanswered,
@@ -522,6 +571,8 @@ PLANTED = {
     "a request leaving the queue keeps its handshake": (Admission, "forget", _forget_nothing,
                                                         "its handshake was not stopped"),
     "a new request is queued twice": (Queues, "add", _queued_twice, "queues and live requests disagree"),
+    "one look-ahead window for all peers": (Admission, "_peer_windows", staticmethod(_one_window_for_all_peers),
+                                            "was not started"),
 }
 
 
