@@ -76,6 +76,9 @@ class ServerConfig(BaseSettings):
     max_request_body_bytes: int = _opt("largest request body accepted; a larger one gets 413", 32 * 1024 * 1024)
     max_concurrent_requests: int = _opt("most requests in flight on the generation routes; past it they get 503 "
                                         "with Retry-After", 1024)
+    request_body_timeout_s: float = _opt("a request's whole body must arrive within this many seconds of its "
+                                         "headers, else 408 (a generation request takes a slot of "
+                                         "--max-concurrent-requests only once its body is in)", 30.0)
     handshake_timeout_s: float = _opt("deadline for the PD handshake HTTP call", 30.0)
     transfer_timeout_s: float = _opt("deadline for the delta-KV transfer after the handshake", 30.0)
     kv_lease_s: float = _opt("prefill keeps a finished request's KV this long for its decode peer", 60.0)
@@ -131,6 +134,8 @@ class ServerConfig(BaseSettings):
         self._check_prefill_hosts()
         if self.max_request_body_bytes < 1 or self.max_concurrent_requests < 1:
             raise ConfigError("--max-request-body-bytes and --max-concurrent-requests must be at least 1")
+        if self.request_body_timeout_s <= 0:
+            raise ConfigError("--request-body-timeout-s must be positive")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of {self.page_size}")
         if not 0 < self.mem_fraction_static < 1 or self.cuda_graph_max_bs < 0:

@@ -3,7 +3,8 @@ that nobody holds can be garbage-collected mid-flight; a ``TaskSet`` holds them 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 
@@ -27,3 +28,26 @@ class TaskSet:
         """Let the running tasks end, for up to ``timeout`` seconds (the caller cancels what is left, if it must)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
+
+
+class SharedRun:
+    """At most one run of a coroutine at a time: callers that come while it runs, or within ``reuse_s`` of its
+    end, share its outcome (its result or its exception) instead of starting another. Bounds what an open,
+    uncounted route such as ``/health_generate`` can cost, however many callers hit it."""
+
+    def __init__(self, reuse_s: float) -> None:
+        self.reuse_s = reuse_s
+        self._task: asyncio.Task | None = None
+        self._ended_at = float("-inf")
+
+    async def __call__(self, run: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        task = self._task
+        if task is None or (task.done() and time.monotonic() - self._ended_at >= self.reuse_s):
+            task = self._task = asyncio.ensure_future(run())
+            task.add_done_callback(self._ended)
+        return await asyncio.shield(task)  # a caller that leaves does not cancel the others' run
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._ended_at = time.monotonic()
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure nobody awaited any more is not logged as never retrieved

@@ -15,6 +15,7 @@ from decode_worker.config import ServerConfig, mask_url, package_version
 from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.tasks import SharedRun
 from decode_worker.engine.summary import startup_summary
 from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 SECRETS = ("api_key", "pd_token")  # config fields server_info never shows
+HEALTH_REUSE_S = 1.0  # a /health_generate outcome answers the callers that come this long after it
 
 
 class Engine:
@@ -38,6 +40,7 @@ class Engine:
         self.model_path = config.model_path or ""
         self.ready = False
         self.not_ready_reason = "loading the model"
+        self._health = SharedRun(HEALTH_REUSE_S)
         self.runner: ModelRunner | None = None
         self.cache: HierarchicalCache | None = None
         self.scheduler: Scheduler | None = None
@@ -168,7 +171,13 @@ class Engine:
         return list(self.scheduler.requests) if self.scheduler is not None else []
 
     async def health_generate(self) -> None:
-        """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping)."""
+        """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping). The route
+        is open and uncounted, so one probe runs at a time and its outcome answers every caller until
+        ``HEALTH_REUSE_S`` after it ended: at most one one-token request per that interval, whoever calls."""
+        self.require_ready()
+        await self._health(self._probe)
+
+    async def _probe(self) -> None:
         scheduler = self.require_ready()
         if self.config.role == "decode":
             if not scheduler.loop_running:

@@ -25,7 +25,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.state.engine = engine  # what the routes' EngineDep hands them
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
-                       max_concurrent=cfg.max_concurrent_requests)
+                       max_concurrent=cfg.max_concurrent_requests, body_timeout_s=cfg.request_body_timeout_s)
     app.include_router(routes_sglang.router(cfg))
     app.include_router(routes_openai.router(cfg))
     app.include_router(routes_ops.router(cfg))

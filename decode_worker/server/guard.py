@@ -1,21 +1,26 @@
-"""What every request passes before a route runs: the API key, the body size cap and the cap on generation
-requests in flight.
+"""What every request passes before a route runs: the API key, the body's size cap and deadline, and the cap on
+generation requests in flight.
 
-A plain ASGI middleware rather than route code, so that a refused request costs no body read and no parsing,
-and a streaming response keeps its concurrency slot until its last byte has gone.
+A plain ASGI middleware rather than route code, so that a request refused on its headers costs no body read and
+no parsing, and a streaming response keeps its concurrency slot until its last byte has gone. The body is read
+here, whole, before a generation request takes a slot: a client that sends headers and stalls its body holds
+no slot, and gets 408 when ``--request-body-timeout-s`` passes.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+from dataclasses import dataclass
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decode_worker.core.request import RequestError
 from decode_worker.server.errors import error_response
 
 # Probes and scrapes stay open: kubelets and Prometheus carry no key, and none of them reveals a prompt.
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+CLOSE = {"Connection": "close"}  # a refused request's unread body must not be parsed as the next request
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -31,62 +36,105 @@ def bearer_matches(authorization: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+@dataclass
+class Body:
+    """How reading a request's body ended: its bytes, or the refusal to send instead (None when the client left)."""
+
+    data: bytes = b""
+    refusal: Response | None = None
+    gone: bool = False
+
+
 class RequestGuard:
-    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int, max_concurrent: int):
+    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int, max_concurrent: int, body_timeout_s: float):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_concurrent = max_concurrent
-        self.in_flight = 0  # generation requests between their first byte in and last byte out
+        self.body_timeout_s = body_timeout_s
+        self.in_flight = 0  # admitted generation requests (body read) until their last byte out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         refusal = self._refusal(scope)
+        if refusal is None:
+            body = await self._read_body(receive)
+            if body.gone:
+                return  # the client left mid-body: nobody to answer
+            refusal = body.refusal or self._busy(scope)
         if refusal is not None:
             await refusal(scope, receive, send)
-        elif scope["path"] in GENERATION_PATHS:
-            self.in_flight += 1
-            try:
-                await self.app(scope, self._capped(receive), send)
-            finally:
-                self.in_flight -= 1
-        else:
-            await self.app(scope, self._capped(receive), send)
+            return
+        replay = self._replay(body.data, receive)
+        if scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, replay, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
 
-    def _refusal(self, scope: Scope):
-        """The error response for a request refused before it runs, or None to let it through."""
+    def _refusal(self, scope: Scope) -> Response | None:
+        """The error response for a request refused on its headers alone, or None to read its body."""
         path = scope["path"]
         if self.api_key and path not in OPEN_PATHS:
             authorization = _header(scope, b"authorization")
             if not bearer_matches(authorization, self.api_key):
                 message = "invalid API key" if authorization else "missing API key: send 'Authorization: Bearer <key>'"
-                return error_response(message, 401, "authentication_error", {"WWW-Authenticate": "Bearer"})
+                return error_response(message, 401, "authentication_error", {"WWW-Authenticate": "Bearer", **CLOSE})
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return error_response(self._too_large(), 413, "request_too_large")
-        if path in GENERATION_PATHS and self.in_flight >= self.max_concurrent:
+            return error_response(self._too_large(), 413, "request_too_large", CLOSE)
+        return None
+
+    def _busy(self, scope: Scope) -> Response | None:
+        """503 for a generation request past the cap; counted only once its body is in, so a client that stalls
+        its upload holds no slot."""
+        if scope["path"] in GENERATION_PATHS and self.in_flight >= self.max_concurrent:
             return error_response(f"server busy: {self.in_flight} generation requests in flight "
-                                  f"(--max-concurrent-requests {self.max_concurrent}); retry later", 503,
-                                  "overloaded")
+                                  f"(--max-concurrent-requests {self.max_concurrent}); retry later", 503, "overloaded")
         return None
 
     def _too_large(self) -> str:
         return f"request body larger than --max-request-body-bytes ({self.max_body_bytes})"
 
-    def _capped(self, receive: Receive) -> Receive:
-        """A body sent without Content-Length (chunked) is counted as it arrives; the route's read then fails
-        with 413 (a RequestError, so the usual JSON error) once it passes the cap."""
-        seen = 0
+    async def _read_body(self, receive: Receive) -> Body:
+        """The whole body, within ``body_timeout_s`` of its headers for all of it (a client trickling a byte a
+        second gains nothing) and within the size cap, which also holds for a body sent
+        without Content-Length. A refused body's connection is closed: its unread bytes must not be taken for
+        the next request."""
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return Body(gone=True)
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        return Body(refusal=error_response(self._too_large(), 413, "request_too_large", CLOSE))
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return Body(b"".join(chunks))
+        except TimeoutError:
+            message = (f"request body not received within --request-body-timeout-s ({self.body_timeout_s:g} s): "
+                       f"{size} bytes arrived")
+            return Body(refusal=error_response(message, 408, "timeout", CLOSE))
 
-        async def capped() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise RequestError(self._too_large(), 413, "request_too_large")
-            return message
+    @staticmethod
+    def _replay(data: bytes, receive: Receive) -> Receive:
+        """The route reads the body already in hand, then the connection's own messages (a disconnect)."""
+        pending = True
 
-        return capped
+        async def replay() -> Message:
+            nonlocal pending
+            if pending:
+                pending = False
+                return {"type": "http.request", "body": data, "more_body": False}
+            return await receive()
+
+        return replay

@@ -1,7 +1,10 @@
-"""What a worker refuses before a route runs, over a real process: the API key, the body size cap and the cap on
-generation requests in flight. Every refusal is the project's JSON error, never a hang or a 500."""
+"""What a worker refuses before a route runs, over a real process: the API key, the body size cap and deadline,
+and the cap on generation requests in flight. Every refusal is the project's JSON error, never a hang or a 500;
+a client that stalls holds no slot."""
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_CAP = 4096
 OPEN = {"/health", "/health_generate", "/metrics"}
 LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+BODY_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,7 @@ def tiny_chat_model(tmp_path_factory) -> Path:
 def guarded(tmp_path_factory, tiny_chat_model) -> Iterator[Proc]:
     proc = start_worker("guarded", tmp_path_factory.mktemp("guard-logs"), "colocated", "--model-path",
                         str(tiny_chat_model), "--max-request-body-bytes", str(BODY_CAP),
-                        "--max-concurrent-requests", "2",
+                        "--max-concurrent-requests", "2", "--request-body-timeout-s", str(BODY_TIMEOUT_S),
                         env={"DECODE_WORKER_API_KEY": KEY, "DECODE_WORKER_PD_TOKEN": "pd-secret"})
     yield proc
     proc.stop()
@@ -173,3 +177,94 @@ def test_many_clients_at_once_get_200_or_503_never_a_hang(guarded):
     for t in threads:
         t.join(timeout=90)
     assert len(statuses) == 12 and set(statuses) <= {200, 503} and 200 in statuses, statuses
+
+
+# ---- stalled clients ----------------------------------------------------------------------------------------------
+
+
+def raw_post(proc: Proc, path: str, body: bytes, sent: int) -> socket.socket:
+    """A POST whose headers announce ``body`` but of which only the first ``sent`` bytes go out."""
+    host, port = proc.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock.sendall(head.encode() + body[:sent])
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_stalled_uploads_hold_no_slot_and_get_408(guarded):
+    """Two slow uploads (one trickling a byte at a time), a client that half-closes mid-body, one that vanishes
+    mid-body and 50 idle keep-alive sockets, on a worker with 2 generation slots: /generate still answers 200,
+    and the stalled uploads get 408 once the deadline passes, their connections closed."""
+    body = json.dumps({"text": "stalled", "sampling_params": {"max_new_tokens": 2}}).encode()
+    slow = [raw_post(guarded, "/generate", body, 10) for _ in range(2)]
+    vanished = raw_post(guarded, "/v1/completions", body, 5)
+    half_closed = raw_post(guarded, "/generate", body, 5)
+    half_closed.shutdown(socket.SHUT_WR)
+    idle = []
+    for _ in range(50):
+        sock = socket.create_connection(guarded.url.removeprefix("http://").split(":"), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive: the socket stays open
+        idle.append(sock)
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def trickle():  # a byte every 0.2 s: each arrives well within any per-read timeout, never the whole body
+        sent = 10
+        while not stop.is_set() and sent < len(body) - 1:
+            try:
+                slow[0].sendall(body[sent:sent + 1])
+            except OSError:
+                return
+            sent += 1
+            time.sleep(0.2)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        with httpx.Client(timeout=30, headers=AUTH) as client:
+            for i in range(3):
+                resp = client.post(guarded.url + "/generate", json={"text": f"ok {i}", "sampling_params": {"max_new_tokens": 2}})
+                assert resp.status_code == 200, resp.text
+        assert time.monotonic() - started < BODY_TIMEOUT_S  # served while every stalled client was still stalled
+        for sock in slow + [vanished]:
+            status, headers, payload = read_response(sock)
+            assert status == 408 and headers.get("connection") == "close", (status, headers, payload)
+            assert "--request-body-timeout-s" in json.loads(payload)["error"]["message"]
+        assert time.monotonic() - started < BODY_TIMEOUT_S + 5
+        half_closed.settimeout(BODY_TIMEOUT_S + 5)
+        assert half_closed.recv(65536) == b""  # a client that left gets nothing, and its socket is closed
+    finally:
+        stop.set()
+        for sock in slow + [vanished, half_closed] + idle:
+            sock.close()
+    assert httpx.get(guarded.url + "/get_load", headers=AUTH, timeout=10).json()["num_reqs"] == 0
+
+
+def test_health_generate_costs_at_most_one_request_a_second(guarded):
+    """/health_generate is open and uncounted: 40 callers at once share one probe's outcome."""
+    before = guarded.metric("decode_worker_requests_total", outcome="ok", default=0.0)
+    statuses: list[int] = []
+
+    def probe() -> None:
+        statuses.append(httpx.get(guarded.url + "/health_generate", timeout=60).status_code)
+
+    threads = [threading.Thread(target=probe) for _ in range(40)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    elapsed = time.monotonic() - started
+    assert statuses == [200] * 40
+    probes = guarded.metric("decode_worker_requests_total", outcome="ok") - before
+    assert 1 <= probes <= 1 + elapsed // 1.0, (probes, elapsed)
