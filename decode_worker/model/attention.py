@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from decode_worker_kernels.kv_write import slot_index, slot_rows, write_kv
 from decode_worker_kernels.paged_attention import paged_decode_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
@@ -41,6 +42,8 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tenso
         qb = q[start: start + n_new].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
         if prefix == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        elif q.is_cuda:
+            o = prefix_attention_fused(qb, k, v, scale)
         else:
             q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
@@ -49,3 +52,14 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tenso
         start += n_new
         ctx_start += seq_len
     return out
+
+
+def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """New tokens ``q`` ``[1, Hq, E, D]`` over a cached prefix plus themselves, ``k``/``v`` ``[1, Hkv, S, D]``: the
+    causal mask aligned to the bottom right (query ``i`` sees keys up to ``S - E + i``) as a ``CausalBias``, which
+    CUDA's SDPA runs in its flash or memory-efficient kernel; a boolean mask would send it to the math kernel, which
+    materialises ``[Hq, E, S]`` scores. K/V are repeated per query head: those kernels take no GQA."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
+
