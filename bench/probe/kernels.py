@@ -25,8 +25,9 @@ def attention_inputs(geometry: tuple[int, int, int, int], lengths: list[int], dt
     width = max(1, max(-(-n // page_size) for n in lengths)) + 1
     num_pages = len(lengths) * width + 1
     table = torch.randperm(num_pages - 1, generator=gen)[: len(lengths) * width].view(len(lengths), width) + 1
-    pool = torch.randn(num_pages, 2, 2, page_size, kv_heads, head_dim, generator=gen).to(device, dtype)
-    return {"q": torch.randn(len(lengths), q_heads, head_dim, generator=gen).to(device, dtype),
+    on_device = torch.Generator(device).manual_seed(seed)  # GBs of K/V at 64 x 8K: made where they are used
+    pool = torch.randn(num_pages, 2, 2, page_size, kv_heads, head_dim, generator=on_device, device=device, dtype=dtype)
+    return {"q": torch.randn(len(lengths), q_heads, head_dim, generator=on_device, device=device, dtype=dtype),
             "k_pages": pool[:, 1, 0], "v_pages": pool[:, 1, 1], "page_table": table.to(device),
             "seq_lens": torch.tensor(lengths, device=device), "scale": head_dim ** -0.5}
 
