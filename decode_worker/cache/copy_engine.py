@@ -14,8 +14,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import torch
-from decode_worker_kernels.page_copy import copy_pages, gather_pages, scatter_pages
+from decode_worker_kernels.page_copy import gather_pages, scatter_pages
 
 from decode_worker.cache.pool import PageIds
 from decode_worker.core.host_memory import pin_in_place
@@ -56,16 +57,33 @@ class CopyEngine:
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
               after: "torch.cuda.Event | None" = None) -> None:
         # the cache hands over its numpy page ids: torch views of them, made here on the copy thread (no copy)
-        src_pages, dst_pages = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
         if self.staging is None:
-            copy_pages(src, dst, src_pages, dst_pages)
+            copy_host_pages(src, dst, src_pages, dst_pages)
             return
+        src_pages, dst_pages = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
         if after is not None:
             self._stream.wait_event(after)
         if src.is_cuda:
             self.staging.backup(src, dst, src_pages, dst_pages)
         else:
             self.staging.load(src, dst, src_pages, dst_pages)
+
+
+def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
+    """``dst[dst_pages] = src[src_pages]`` between host buffers, one plain copy per run of consecutive pages: a page
+    is one dense block (page-major layout), so nothing is gathered into a temporary first. On a CPU worker L1 and
+    L2 share the memory bus and the cores with the forward; the index kernels' gather-then-scatter through a
+    fresh temporary cost several times this per token (bench/bench_backup.py)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination")
+    s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+    if not len(s):
+        return
+    # a run ends where either side stops being consecutive
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(s)]):
+        n = int(hi - lo)
+        dst[int(d[lo]) : int(d[lo]) + n].copy_(src[int(s[lo]) : int(s[lo]) + n])
 
 
 @dataclass
