@@ -1,4 +1,5 @@
-"""Read a llama-architecture GGUF file: config from metadata, dequantized tensors under Hugging Face names."""
+"""Read a llama-architecture GGUF file: config from metadata, tensors under Hugging Face names (dequantized, or
+Q4_1 matrices kept as 4-bit blocks)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 
 from decode_worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from decode_worker.model.quant import Q4Blocks, packable
 
 _TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
@@ -74,15 +76,19 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor and yield it under its Hugging Face name."""
+def gguf_tensors(reader, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
+    """Yield every tensor under its Hugging Face name: dequantized to float32, or with ``keep_q4`` a Q4_1 layer
+    matrix the int4 kernel can take as ``Q4Blocks`` (the embedding and norms are always dequantized)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
         parts = t.name.split(".")
+        if keep_q4 and parts[0] == "blk" and t.tensor_type == GGMLQuantizationType.Q4_1 and len(shape) == 2 and packable(*shape):
+            tensor = Q4Blocks.from_gguf(t.data, *shape)
+        else:
+            tensor = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         if t.name == "token_embd.weight":
             yield "model.embed_tokens.weight", tensor
         elif t.name == "output_norm.weight":
@@ -91,9 +97,15 @@ def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             yield "lm_head.weight", tensor
         elif parts[0] == "blk" and parts[2] in _TENSOR_NAMES:
             if config.architecture != "qwen2" and parts[2] == "attn_q":
-                tensor = _unpermute(tensor, config.num_heads)
+                tensor = _unpermute_any(tensor, config.num_heads)
             elif config.architecture != "qwen2" and parts[2] == "attn_k":
-                tensor = _unpermute(tensor, config.num_kv_heads)
+                tensor = _unpermute_any(tensor, config.num_kv_heads)
             yield f"model.layers.{parts[1]}.{_TENSOR_NAMES[parts[2]]}.{parts[3]}", tensor
         elif "rope_freqs" not in t.name:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
+
+
+def _unpermute_any(tensor: torch.Tensor | Q4Blocks, n_head: int) -> torch.Tensor | Q4Blocks:
+    if isinstance(tensor, Q4Blocks):
+        return tensor.map_rows(lambda part: _unpermute(part, n_head))
+    return _unpermute(tensor, n_head)

@@ -12,8 +12,13 @@ import torch
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
+from decode_worker.model.quant import Int4Linear
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.model.weights import load_weights, weights_digest
+
+
+# Inputs of at least this many rows (tokens in a step) use an int4 layer's dense copy; None keeps no dense copy.
+INT4_DENSE_FROM_ROWS: int | None = 8
 
 
 @dataclass
@@ -22,6 +27,7 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer | None
     weights_digest: str  # see weights_digest(): part of the KV layout, so checkpoints never share KV
+    int4_layers: int = 0  # linear layers kept 4-bit (Int4Linear)
 
 
 def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,20 +68,30 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True) -> LoadedModel:
+def keeps_int4(path: Path, dtype: torch.dtype, device: str) -> bool:
+    """Whether ``load_model`` keeps a GGUF's Q4_1 layer weights 4-bit by default: on CPU in a 16-bit dtype.
+    float32 stays the dequantized reference the parity tests compare with transformers."""
+    return path.is_file() and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
+               int4: bool | None = None) -> LoadedModel:
+    """``int4``: keep a GGUF's Q4_1 layer weights 4-bit (``Int4Linear``, CPU only); None: ``keeps_int4``."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
+    int4 = keeps_int4(path, dtype, device) if int4 is None else int4
     if path.is_file():
         reader = open_gguf(path)
         config = gguf_config(reader, path.stem)
-        tensors = gguf_tensors(reader, config)
+        tensors = gguf_tensors(reader, config, keep_q4=int4)
     else:
         config = read_config(path)
         tensors = _safetensors(path)
     with torch.device(device), default_dtype(dtype):
         model = LlamaModel(config)
-    load_weights(model, tensors)  # copies cast each checkpoint tensor into the parameter's dtype
+    load_weights(model, tensors, INT4_DENSE_FROM_ROWS)  # copies cast each checkpoint tensor into the parameter's dtype
     model.eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
-    return LoadedModel(config, model, tok, weights_digest(model))
+    int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
+    return LoadedModel(config, model, tok, weights_digest(model), int4_layers)

@@ -1,4 +1,4 @@
-"""Copy Hugging Face-named tensors into the fused parameters of LlamaModel."""
+"""Copy Hugging Face-named tensors into the fused parameters of LlamaModel; 4-bit blocks become Int4Linear layers."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +9,7 @@ import torch
 
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.llama import LlamaModel
+from decode_worker.model.quant import Int4Linear, Q4Blocks
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -39,10 +40,15 @@ def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
     return None
 
 
-def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError."""
+def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks]],
+                 dense_from_rows: int | None = None) -> None:
+    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError.
+
+    A weight given as ``Q4Blocks`` (every piece of it, for a fused one) replaces its bias-free linear layer by an
+    ``Int4Linear`` (``dense_from_rows`` as there); anywhere else it is dequantized into the dense parameter."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
+    quantized: dict[str, list[tuple[int, Q4Blocks]]] = {}
     for hf_name, tensor in tensors:
         if "rotary_emb" in hf_name:
             continue
@@ -62,11 +68,29 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]])
         dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
         if dest.shape != tensor.shape:
             raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if isinstance(tensor, Q4Blocks) and _bias_free_linear(model, target):
+            quantized.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
+        else:
+            dest.copy_(tensor.dequantize() if isinstance(tensor, Q4Blocks) else tensor)
         filled[target] = filled.get(target, 0) + (dest.shape[0] if rows is not None else params[target].shape[0])
     missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint lacks tensors for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for target, pieces in quantized.items():
+        if sum(b.shape[0] for _, b in pieces) != params[target].shape[0]:  # some pieces came dense: stay dense
+            for start, b in pieces:
+                params[target].data[start : start + b.shape[0]].copy_(b.dequantize())
+            continue
+        module_name = target.removesuffix(".weight")
+        parent, _, attr = module_name.rpartition(".")
+        dtype = params[target].dtype
+        blocks = Q4Blocks.stack([b for _, b in sorted(pieces, key=lambda piece: piece[0])])
+        setattr(model.get_submodule(parent), attr, Int4Linear(blocks, dtype, dense_from_rows))
+
+
+def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
+    module = model.get_submodule(weight_name.removesuffix(".weight"))
+    return isinstance(module, torch.nn.Linear) and module.bias is None
 
 
 def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:

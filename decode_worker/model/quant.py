@@ -1,0 +1,90 @@
+"""Weights kept 4-bit on CPU: GGUF Q4_1 blocks and a linear layer over torch's int4 packed-weight matmul.
+
+Q4_1 stores each row in blocks of 32 values ``w = d * q + m`` (``q`` in 0..15, one scale ``d`` and one minimum
+``m`` per block). torch's CPU kernel (``_weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * scale + zero``
+per group, so a block maps onto a group exactly with ``scale = d`` and ``zero = m + 8 * d``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+Q4_GROUP = 32  # values per Q4_1 block, and the kernel's group size
+_INNER_K_TILES = 2  # the packing's K tiling: K must be a multiple of 16 * this
+
+
+@dataclass
+class Q4Blocks:
+    """A Q4_1 matrix ``[rows, cols]`` unpacked: 4-bit codes one per byte, and per-block scale and minimum."""
+
+    codes: torch.Tensor  # uint8 [rows, cols], values 0..15
+    scale: torch.Tensor  # float32 [rows, cols // 32]
+    minimum: torch.Tensor  # float32 [rows, cols // 32]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q4Blocks":
+        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles; the low nibbles hold the
+        block's first 16 values, the high nibbles the last 16)."""
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., 4:]
+        codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
+        return cls(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix the blocks encode."""
+        rows, cols = self.codes.shape
+        grouped = self.codes.view(rows, cols // Q4_GROUP, Q4_GROUP).float()
+        return (grouped * self.scale[..., None] + self.minimum[..., None]).view(rows, cols)
+
+    def map_rows(self, fn) -> "Q4Blocks":
+        """The same blocks with ``fn`` applied to the row order of every part (e.g. llama.cpp's Q/K permutation)."""
+        return Q4Blocks(fn(self.codes), fn(self.scale), fn(self.minimum))
+
+    @staticmethod
+    def stack(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        """Row-wise concatenation: the fused QKV or gate/up matrix from its pieces, in order."""
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum")))
+
+
+def packable(rows: int, cols: int) -> bool:
+    """Whether the int4 kernel takes a ``[rows, cols]`` weight (its tiling needs these multiples)."""
+    return cols % (16 * _INNER_K_TILES) == 0 and cols % Q4_GROUP == 0 and rows % 8 == 0
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T`` with ``W`` held as int4 codes packed for torch's CPU kernel plus per-group scale and zero.
+
+    With ``dense_from_rows`` set it also keeps ``W`` dequantized in the activation dtype and uses that copy for
+    inputs of at least that many rows: the int4 kernel wins where a step reads more weight bytes than it computes
+    (decode of a few requests) and loses to the dense GEMM on wide inputs (prefill, large batches).
+    """
+
+    def __init__(self, blocks: Q4Blocks, dtype: torch.dtype, dense_from_rows: int | None = None):
+        super().__init__()
+        rows, cols = blocks.shape
+        if not packable(rows, cols):
+            raise ValueError(f"an int4 weight of shape {(rows, cols)} cannot be packed")
+        self.in_features, self.out_features = cols, rows
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), _INNER_K_TILES)
+        zero = blocks.minimum + 8 * blocks.scale
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", torch.stack((blocks.scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+        self.dense_from_rows = dense_from_rows
+        self.register_buffer("dense", None if dense_from_rows is None else blocks.dequantize().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
+            out = torch.nn.functional.linear(flat, self.dense)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)
+        return out.view(*x.shape[:-1], self.out_features)

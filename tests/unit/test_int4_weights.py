@@ -1,0 +1,92 @@
+"""GGUF Q4_1 weights kept 4-bit: block parsing, the kernel's scale/zero convention, and the quantized model against
+the dequantized one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from decode_worker.model.loader import load_model
+from decode_worker.model.quant import Int4Linear, Q4Blocks
+
+
+def random_blocks(rows: int, cols: int, seed: int = 0) -> Q4Blocks:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // 32, generator=g) * 0.1 + 0.01
+    minimum = -torch.rand(rows, cols // 32, generator=g) * 0.8  # not -8 * scale: a wrong zero point shows
+    return Q4Blocks(codes, scale, minimum)
+
+
+def test_gguf_q4_1_bytes_parse_to_the_values_gguf_dequantizes():
+    w = np.random.default_rng(0).standard_normal((16, 96)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    ours = Q4Blocks.from_gguf(raw, 16, 96).dequantize()
+    assert torch.equal(ours, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32)))
+
+
+def test_int4_kernel_computes_the_q4_1_blocks_matmul():
+    """Q4_1's ``d * q + m`` mapped onto the kernel's ``(q - 8) * scale + zero`` (float32 activations: exact up to
+    summation order)."""
+    blocks = random_blocks(64, 128)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    layer = Int4Linear(blocks, torch.float32)
+    assert layer.dense is None
+    assert (layer(x) - x @ blocks.dequantize().t()).abs().max().item() < 1e-4
+
+
+def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
+    blocks = random_blocks(64, 128, seed=2)
+    layer = Int4Linear(blocks, torch.bfloat16, dense_from_rows=8)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    wide = layer(x)  # 8 rows: dense
+    narrow = torch.cat([layer(x[i : i + 4]) for i in (0, 4)])  # 4 rows each: int4 kernel
+    ref = x.float() @ blocks.dequantize().t()
+    scale = ref.abs().max().item()
+    assert (wide.float() - ref).abs().max().item() < 0.02 * scale
+    assert (narrow.float() - ref).abs().max().item() < 0.02 * scale
+    assert layer.dense is not None and layer.dense.dtype == torch.bfloat16
+
+
+def test_q4_blocks_stack_rows_in_order():
+    a, b = random_blocks(8, 32, seed=4), random_blocks(16, 32, seed=5)
+    both = Q4Blocks.stack([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+def test_a_bad_shape_is_refused():
+    with pytest.raises(ValueError, match="cannot be packed"):
+        Int4Linear(random_blocks(6, 32), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def smollm2_models(smollm2_path):
+    return (load_model(smollm2_path, dtype=torch.bfloat16, tokenizer=False),
+            load_model(smollm2_path, dtype=torch.bfloat16, tokenizer=False, int4=False))
+
+
+def test_smollm2_in_bf16_keeps_every_layer_matrix_4bit(smollm2_models):
+    quantized, dense = smollm2_models
+    assert quantized.int4_layers == 4 * quantized.config.num_layers  # qkv, o, gate_up, down
+    assert dense.int4_layers == 0
+    assert quantized.weights_digest != dense.weights_digest
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_quantized_model_logits_stay_close_to_the_dequantized_model(smollm2_models, rows):
+    """The int4 kernel (few rows) and the dense copy (many) both track the dequantized bf16 model: the same weights,
+    only the matmul's rounding differs."""
+    from decode_worker.model.runner import ModelRunner
+
+    ids = [1, 504, 3458, 282, 4649, 314, 1029, 30, 198, 2] * 4
+    outs = []
+    for loaded in smollm2_models:
+        runner = ModelRunner(loaded, max_total_tokens=256, page_size=16)
+        pages = list(range(1, 4))
+        runner.forward(runner.build_batch([ids[: 40 - rows]], [0], [pages]))
+        outs.append(runner.forward(runner.build_batch([ids[40 - rows :]], [40 - rows], [pages], all_logits=True)))
+    quantized, dense = outs
+    assert (quantized - dense).abs().max().item() < 0.05 * dense.abs().max().item()
+    assert (quantized.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.9
