@@ -109,12 +109,10 @@ def run_child(section: Section, tiny: bool, limit_s: float) -> dict:
         stdout, stderr = proc.communicate()
         timed_out = True
     seconds = round(time.monotonic() - start, 1)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if lines and not timed_out:
-        try:
-            return json.loads(lines[-1])
-        except json.JSONDecodeError:
-            pass
+    if not timed_out:
+        for line in reversed(stdout.splitlines()):  # the section's line is its last; libraries may log before it
+            if line.startswith('{"section"'):
+                return json.loads(line)
     status = "timeout" if timed_out else "crashed"
     why = f"killed after its {limit_s:.0f} s limit" if timed_out else f"exited {proc.returncode} without a result"
     return {"section": section.name, "status": status, "error": why, "stderr_tail": stderr[-3000:],
@@ -161,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", help=argparse.SUPPRESS)  # child side: run this one section here
     args = parser.parse_args(argv)
     if args.section:
-        print(json.dumps(run_here(BY_NAME[args.section], args.tiny)), flush=True)
+        print(json.dumps(run_here(BY_NAME[args.section], args.tiny), default=str), flush=True)
         return 0
     wanted = set(args.only.split(",")) if args.only else set(BY_NAME)
     unknown = (wanted | set(filter(None, args.skip.split(",")))) - set(BY_NAME)
