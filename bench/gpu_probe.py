@@ -136,7 +136,7 @@ def probe(names: list[str], tiny: bool, budget_s: float, out: Path | None) -> li
             else:
                 line = run_child(section, tiny, max(1.0, min(section.limit_s, left)))
             if name == "env":
-                gpu = bool(line.get("gpu"))
+                gpu = line.get("gpu") is not False  # an env section that broke does not prove there is no GPU
             results.append(line)
             text = json.dumps(line)
             print(text, flush=True)

@@ -28,14 +28,11 @@ def importable(name: str) -> str:
 def env(tiny: bool) -> dict:
     """Python, torch, the device, which optional packages import (NIXL's line says why when it does not), and where
     ``decode_worker`` and its kernels were imported from (an installed project or the checkout)."""
-    import decode_worker
-    import decode_worker_kernels
-
     out: dict = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                  "gpu": torch.cuda.is_available(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                  "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-                 "decode_worker_from": os.path.dirname(decode_worker.__file__),
-                 "kernels_from": os.path.dirname(decode_worker_kernels.__file__),
+                 "decode_worker_from": imported_from("decode_worker"),
+                 "kernels_from": imported_from("decode_worker_kernels"),
                  "packages": {name: importable(name) for name in OPTIONAL}}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -44,6 +41,14 @@ def env(tiny: bool) -> dict:
                    memory_gb=round(total / 1e9, 1), free_gb=round(free / 1e9, 1), pcie_nominal_gbs=pcie_nominal_gbs(),
                    driver=nvidia_smi("driver_version"))
     return out
+
+
+def imported_from(name: str) -> str:
+    """The folder a package was imported from, or why it does not import."""
+    try:
+        return os.path.dirname(importlib.import_module(name).__file__)
+    except Exception as exc:  # noqa: BLE001 - reported, and every later section will say more
+        return f"no: {type(exc).__name__}: {exc}"[:300]
 
 
 def nvidia_smi(field: str) -> str | None:
