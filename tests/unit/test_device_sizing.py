@@ -60,3 +60,31 @@ def test_the_server_refuses_bad_values_naming_the_flag(field: str, value: float)
     flag = "--" + field.replace("_", "-")
     with pytest.raises(ConfigError, match=flag):
         ServerConfig(**{field: value}).validate()
+
+
+def test_the_engine_sizes_l1_from_memory_on_cuda_unless_max_total_tokens_is_given(monkeypatch, tmp_path):
+    """Wiring: with CUDA reported (the model itself loads on CPU here), an unset --max-total-tokens asks
+    ``device_pool_tokens`` with --mem-fraction-static and the runner gets its answer; a given one is kept as is. The
+    graphs stop at --max-running-requests."""
+    from decode_worker.config import ServerConfig
+    from decode_worker.engine import engine as engine_module
+    from tests.tiny_model import save_tiny_chat_model
+
+    model = str(save_tiny_chat_model(tmp_path / "tiny"))
+    asked, runners = [], []
+    load = engine_module.load_model
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "load_model", lambda path, dtype, device: load(path, dtype=dtype, device="cpu"))
+    monkeypatch.setattr(engine_module, "device_pool_tokens",
+                        lambda model, page_size, dtype, fraction: asked.append((page_size, fraction)) or 1024)
+    runner_class = engine_module.ModelRunner
+    monkeypatch.setattr(engine_module, "ModelRunner",
+                        lambda *args, **kwargs: runners.append(args) or runner_class(*args, **kwargs))
+    for given in ({}, {"max_total_tokens": 512}):
+        engine = engine_module.Engine(ServerConfig(model_path=model, dtype="float32", mem_fraction_static=0.7,
+                                                   max_running_requests=48, **given))
+        engine.load_model()
+        engine.cache.close()
+    assert asked == [(16, 0.7)]
+    assert [(tokens, graphs) for _, tokens, _, graphs in runners] == [(1024, 48), (512, 48)]
+    assert engine.server_info()["max_total_num_tokens"] == 512
