@@ -49,3 +49,11 @@ def test_the_model_recovers_its_own_parameters_and_round_trips_through_json():
     ref = {(e["workload"], e["gbit"]): e for e in fit.reference}
     assert ref["2x5", 100]["hier_vs_off"] < ref["2x5", 400]["hier_vs_off"] < 0
     assert Row.from_dict(rows[0].to_dict()) == rows[0]
+
+
+def test_a_missing_tool_is_named_in_one_line(monkeypatch):
+    import decode_worker.bench.link as link
+
+    monkeypatch.setattr(link.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/bin/{tool}")
+    problem = link.namespace_problem()
+    assert "`tc` is missing" in problem and "iproute2" in problem and "\n" not in problem
