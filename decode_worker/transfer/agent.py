@@ -254,19 +254,22 @@ class KVAgent:
         if inline:
             return job.result(room, job.run(work, *args))
         future = asyncio.get_running_loop().run_in_executor(self._copier, job.run, work, *args)
+        cancelled = False
         try:
             await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             if job.drop():
                 raise TransferError(room, "timeout", "the copy thread did not reach the read before its deadline") from None
         except asyncio.CancelledError:
-            if not job.drop():
-                await run_to_the_end(future)  # it writes into our pages: wait for the end, then be cancelled
-            raise
+            if job.drop():
+                raise
+            cancelled = True  # it writes into our pages: wait for its end first
         try:
             result = await run_to_the_end(future, RETIRE_S)
         except TimeoutError:
             raise TransferError(room, "unstoppable", "the copy thread did not end the read") from None
+        if cancelled:
+            raise asyncio.CancelledError
         return job.result(room, result)
 
     def notify(self, peer: str, message: bytes) -> bool:
@@ -337,15 +340,14 @@ class KVAgent:
 
 async def run_to_the_end(work: asyncio.Future, limit_s: float | None = None):
     """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it). With
-    ``limit_s``, raise ``TimeoutError`` if it has not ended after that long (it goes on)."""
+    ``limit_s``, raise ``TimeoutError`` if it has not ended after that long, cancelled or not: it goes on, and
+    the caller must treat what it writes as never ending."""
     cancelled = False
     give_up = None if limit_s is None else time.monotonic() + limit_s
     while not work.done():
         try:
             left = None if give_up is None else give_up - time.monotonic()
             if left is not None and left <= 0:
-                if cancelled:
-                    raise asyncio.CancelledError
                 raise TimeoutError
             await asyncio.wait_for(asyncio.shield(work), left)
         except asyncio.CancelledError:

@@ -77,3 +77,32 @@ def test_a_read_that_ends_after_its_deadline_fails(peer, monkeypatch):
         assert outcome == "timeout", outcome
         monkeypatch.setattr(agent, work, original)
         assert read_within(agent, remote, [5, 6], [20, 21], 10.0)[0] == "ok"  # the next read is not affected
+
+
+def test_a_cancelled_read_returns_only_once_its_copy_has_ended(peer, monkeypatch):
+    """The client leaves while the copy thread is inside the read: the cancelled read waits for the copy to end
+    (its pages are then freed and may be handed on), and a read still queued behind it never starts."""
+    with decode_side(peer) as (pool, agent, remote):
+        read_within(agent, remote, [1], [1], 10.0)
+        work = "_copy_mapped" if peer.path == "mapped" else "_post"
+        original = getattr(agent, work)
+
+        def slow(*args):
+            time.sleep(0.4)
+            return original(*args)
+        monkeypatch.setattr(agent, work, slow)
+
+        async def go() -> tuple[float, bool]:
+            first = asyncio.ensure_future(agent.read(1, remote, [5, 6], [20, 21], time.monotonic() + 10))
+            queued = asyncio.ensure_future(agent.read(2, remote, [7], [22], time.monotonic() + 10))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            first.cancel()
+            queued.cancel()
+            await asyncio.gather(first, queued, return_exceptions=True)
+            return time.monotonic() - started, first.cancelled() and queued.cancelled()
+
+        waited, both_cancelled = asyncio.run(go())
+        assert both_cancelled and waited >= 0.25, waited  # the first waited for its copy
+        agent._copier.submit(lambda: None).result()
+        assert int(pool.buffer[[7]].count_nonzero()) == 0  # the queued one never ran
