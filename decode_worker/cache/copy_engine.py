@@ -3,9 +3,10 @@
 One worker thread runs the copies strictly in submission order. That order is what the cache relies on: a
 load-back queued after a backup of the same host pages reads the finished backup, and host pages that the
 event loop frees can only be rewritten by copies queued later. On CUDA the worker issues each copy on a side
-stream through staging buffers allocated once (``Staging``) and waits for their events, so neither the event
-loop nor the compute stream ever waits on a copy. Every copy returns a ``concurrent.futures.Future``;
-``asyncio.wrap_future`` makes it awaitable.
+stream and waits for its event, so neither the event loop nor the compute stream ever waits on a copy: straight
+between the pools, one DMA per run of consecutive pages, when the L2 pool is pinned (registered in place, as
+``make_host_pool`` makes it); through staging buffers allocated once (``Staging``) when it is not. Every copy
+returns a ``concurrent.futures.Future``; ``asyncio.wrap_future`` makes it awaitable.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class CopyEngine:
         self.device_buffer = device_buffer
         self.host_buffer = host_buffer
         self._stream = torch.cuda.Stream(device_buffer.device) if device_buffer.is_cuda else None
-        self.staging = Staging(device_buffer, staging_bytes, self._stream) if self._stream is not None else None
+        direct = self._stream is None or host_buffer.is_pinned()  # a pageable L2 pool cannot take async DMA
+        self.staging = None if direct else Staging(device_buffer, staging_bytes, self._stream)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
@@ -57,23 +59,39 @@ class CopyEngine:
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
               after: "torch.cuda.Event | None" = None) -> None:
         # the cache hands over its numpy page ids: torch views of them, made here on the copy thread (no copy)
-        if self.staging is None:
+        if self._stream is None:
             copy_host_pages(src, dst, src_pages, dst_pages)
             return
-        src_pages, dst_pages = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
         if after is not None:
             self._stream.wait_event(after)
+        if self.staging is None:
+            self._direct(src, dst, src_pages, dst_pages)
+            return
+        src_pages, dst_pages = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
         if src.is_cuda:
             self.staging.backup(src, dst, src_pages, dst_pages)
         else:
             self.staging.load(src, dst, src_pages, dst_pages)
 
 
-def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
+    def _direct(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
+        """Device <-> pinned L2 pool: one asynchronous copy per run of consecutive pages on the copy stream, straight
+        from the source pages into the destination pages (no staging, no gather on the host), then the copy thread
+        waits for the stream's event."""
+        with torch.cuda.stream(self._stream):
+            copy_host_pages(src, dst, src_pages, dst_pages, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        done.synchronize()
+
+
+def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
+                    non_blocking: bool = False) -> None:
     """``dst[dst_pages] = src[src_pages]`` between host buffers, one plain copy per run of consecutive pages: a page
     is one dense block (page-major layout), so nothing is gathered into a temporary first. On a CPU worker L1 and
     L2 share the memory bus and the cores with the forward; the index kernels' gather-then-scatter through a
-    fresh temporary cost several times this per token (bench/bench_backup.py)."""
+    fresh temporary cost several times this per token (bench/bench_backup.py). With ``non_blocking``, between a
+    CUDA buffer and a pinned host one, each run is one DMA queued on the current stream."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination")
     s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -83,7 +101,7 @@ def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, ds
     breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(s)]):
         n = int(hi - lo)
-        dst[int(d[lo]) : int(d[lo]) + n].copy_(src[int(s[lo]) : int(s[lo]) + n])
+        dst[int(d[lo]) : int(d[lo]) + n].copy_(src[int(s[lo]) : int(s[lo]) + n], non_blocking=non_blocking)
 
 
 @dataclass

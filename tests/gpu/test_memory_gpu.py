@@ -1,5 +1,6 @@
-"""Device and pinned memory on a CUDA device: the registered L2 pool, the copy engine's staging, and the KV pool
-sized from free memory (their logic is tested on CPU in tests/unit)."""
+"""Device and pinned memory on a CUDA device: the registered L2 pool, the copy engine (direct with a pinned pool,
+through staging with a pageable one), and the KV pool sized from free memory (their logic is tested on CPU in
+tests/unit)."""
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,23 @@ def test_cuda_engine_round_trips_through_its_registered_staging():
         assert torch.equal(host.buffer[mid], device.buffer[src].cpu())
         assert torch.equal(device.buffer[back], device.buffer[src])
         assert [s.host.data_ptr() for s in slots] == addresses
+    finally:
+        engine.close()
+
+
+def test_cuda_engine_moves_pages_straight_between_the_pools_when_l2_is_pinned():
+    """With the L2 pool registered (as the server makes it), no staging: scattered pages and runs round-trip."""
+    device = KVPool(LAYOUT, 64, device="cuda")
+    device.buffer.copy_(torch.randn_like(device.buffer, dtype=torch.float32))
+    host = make_host_pool(LAYOUT, 64, device)
+    engine = CopyEngine(device.buffer, host.buffer)
+    try:
+        assert engine.staging is None
+        src, mid, back = torch.tensor([1, 2, 3, 9, 30, 31]), torch.tensor([40, 41, 5, 6, 7, 60]), torch.arange(10, 16)
+        for future in (engine.backup(src.numpy(), mid.numpy()), engine.load(mid.numpy(), back.numpy())):
+            future.result(timeout=60)
+        assert torch.equal(host.buffer[mid], device.buffer[src].cpu())
+        assert torch.equal(device.buffer[back], device.buffer[src])
     finally:
         engine.close()
 
