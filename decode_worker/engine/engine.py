@@ -62,7 +62,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         tokens = cfg.max_total_tokens
         if device == "cuda" and "max_total_tokens" not in cfg.model_fields_set:  # SGLang's --mem-fraction-static
-            tokens = device_pool_tokens(loaded.config, cfg.page_size, getattr(torch, cfg.dtype), cfg.mem_fraction_static)
+            tokens = device_pool_tokens(loaded.config, cfg.page_size, getattr(torch, cfg.dtype),
+                                        cfg.mem_fraction_static)
         self.runner = ModelRunner(loaded, tokens, cfg.page_size, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                                   shared_pool=cfg.role == "prefill")  # its decode peers on this host map it
         host_pool = None
