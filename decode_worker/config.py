@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 from enum import Enum
 from importlib.metadata import version
@@ -49,8 +50,8 @@ class ServerConfig(BaseSettings):
     served_model_name: str | None = _opt("model name reported by the API; unset: the model file's name")
     host: str = _opt("HTTP bind address", "127.0.0.1")
     port: int = _opt("HTTP port", 30000)
-    dtype: str = _opt("weights and KV dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on "
-                      "CPU)", "auto")
+    dtype: str = _opt("weights and KV dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs "
+                      "with native bf16, AVX512-BF16 or AMX; float32 on other CPUs)", "auto")
     max_total_tokens: int = _opt("L1 (device) KV capacity in tokens; unset with L1 on CUDA: sized from the memory "
                                  "free after the weights by --mem-fraction-static", 32768)
     mem_fraction_static: float = _opt("with L1 on CUDA and --max-total-tokens unset: the share of device memory "
@@ -114,13 +115,17 @@ class ServerConfig(BaseSettings):
     @field_validator("dtype")
     @classmethod
     def _resolve_dtype(cls, value: str) -> str:
-        """``auto``: bfloat16 where the model runs on CUDA (half fp32's memory and bandwidth), float32 on CPU,
-        where the tests compare against float32 references."""
+        """``auto``: bfloat16 on CUDA and on CPUs with native bf16 (``auto_dtype``), else float32; the choice and
+        its reason are logged."""
         if value != "auto":
             return value
         import torch  # only here: the config module stays light for `--help`
 
-        return "bfloat16" if torch.cuda.is_available() else "float32"
+        from decode_worker.model.cpu_features import auto_dtype
+
+        dtype, why = auto_dtype(torch.cuda.is_available())
+        logging.getLogger(__name__).info("--dtype auto: %s (%s)", dtype, why)
+        return dtype
 
     def validate(self) -> None:
         """Combinations the types cannot express; each value's type was checked when the model was built."""

@@ -6,8 +6,10 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from decode_worker.engine.llm import LLM
+from decode_worker.model.cpu_features import auto_dtype
 from decode_worker.core.sampling import SamplingParams
 from tests.servers import start_router, start_worker, wait_pages_free
 
@@ -33,7 +35,7 @@ def deployment(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def no_cache_llm(smollm2_path):
     """The cache-off reference: every prompt computed from scratch in one process."""
-    return LLM(str(smollm2_path), max_total_tokens=8192)
+    return LLM(str(smollm2_path), max_total_tokens=8192, dtype=getattr(torch, auto_dtype(cuda=False)[0]))  # the workers'
 
 
 def generate(router, text, **extra):

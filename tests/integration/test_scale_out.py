@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from decode_worker.model.cpu_features import auto_dtype
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
 from tests.servers import Proc, free_port, start, start_worker, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model
@@ -88,7 +90,8 @@ def reference(smollm2_path) -> dict[str, list[int]]:
     from decode_worker.core.sampling import SamplingParams
     from decode_worker.engine.llm import LLM
 
-    llm = LLM(str(smollm2_path), max_total_tokens=2048, page_size=PS, prefix_cache=False)
+    llm = LLM(str(smollm2_path), max_total_tokens=2048, page_size=PS, prefix_cache=False,
+              dtype=getattr(torch, auto_dtype(cuda=False)[0]))  # the workers' default dtype
     params = SamplingParams(max_new_tokens=GREEDY["max_new_tokens"], temperature=0.0)
     texts = [SHARED + q for q in QUESTIONS]
     return {t: out.output_ids for t, out in zip(texts, llm.generate(texts, params))}

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from decode_worker.model.cpu_features import auto_dtype
 from tests.servers import start_worker, wait_pages_free
 
 LONG = "The history of the Roman Empire is long and complicated, full of emperors and wars. " * 8
@@ -290,7 +291,8 @@ def test_startup_line_says_what_runs_and_probes_stay_out_of_the_access_log(serve
         httpx.get(server.url + path, timeout=10)
     log = server.log.read_text(errors="replace")
     start = next(line for line in log.splitlines() if "starting: role colocated" in line)
-    for part in ("model ", "dtype float32", "device cpu", "L1 4096 tokens (", "L2 off", "L3 off", "http 127.0.0.1:"):
+    dtype = auto_dtype(cuda=False)[0]  # the default, --dtype auto
+    for part in ("model ", f"dtype {dtype}", "device cpu", "L1 4096 tokens (", "L2 off", "L3 off", "http 127.0.0.1:"):
         assert part in start, (part, start)
     assert '"GET /v1/models HTTP/1.1" 200' in log
     assert '"GET /health HTTP' not in log and '"GET /metrics HTTP' not in log

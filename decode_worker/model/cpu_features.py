@@ -1,0 +1,25 @@
+"""What ``--dtype auto`` picks: bfloat16 where the hardware computes it natively, float32 elsewhere on CPU."""
+from __future__ import annotations
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of the x86 bf16 dot-product instructions
+
+
+def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The bf16 instruction sets this CPU reports (none where the file is missing, e.g. not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+
+def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
+    """(dtype, why): bfloat16 on CUDA or on a CPU with native bf16 (twice the decode speed of float32 there, half
+    the KV bytes), float32 on other CPUs, where bf16 is emulated and slower."""
+    if cuda:
+        return "bfloat16", "CUDA"
+    flags = native_bf16_flags(cpuinfo)
+    if flags:
+        return "bfloat16", f"CPU with native bf16 ({', '.join(flags)})"
+    return "float32", "CPU without native bf16 (no avx512_bf16 or amx_bf16)"
