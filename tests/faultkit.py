@@ -4,6 +4,10 @@ aborts, and the checks every fault must pass (health, no locked pages once idle,
 ``python -m tests.faultkit die-at-transfer N serve ...`` runs a prefill worker that SIGKILLs itself as soon as
 its Nth handshake answer is out, while its decode peer reads the pages the answer named: the near-deterministic
 form of "prefill died mid-transfer", which a kill from outside hits only by luck because a read lasts milliseconds.
+
+``python -m tests.faultkit serve ...`` runs a worker with the in-process faults ``FAULTKIT_FAULTS`` (JSON) names
+(``Faults``): a decode whose KV copy thread stalls and whose reads end late, a prefill that overwrites the pages
+of a hand-off as soon as its hold ends (as a reuse would), and a probe of the event loop's longest stall.
 """
 from __future__ import annotations
 
@@ -180,7 +184,7 @@ class CorruptingPrefill:
     """An HTTP front of a real prefill worker whose handshake answers come back with one field changed: the
     answer is otherwise real (real agent, real pages, held by the real prefill), so a decode worker that used the
     bad field would get as far as reading real KV and running a step. ``corrupt`` maps prefill's answer (a dict)
-    to what is sent instead: a dict, or raw bytes (a truncated body). Other routes are not served."""
+    to what is sent instead: a dict, or raw bytes (a truncated body). Other POSTs are passed through."""
 
     def __init__(self, upstream: str, corrupt: Callable[[dict], dict | bytes] = lambda d: d):
         self.upstream, self.corrupt, self.name = upstream, corrupt, "corrupting-prefill"
@@ -196,7 +200,8 @@ class CorruptingPrefill:
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("x-pd-token", "authorization",
                                                                                   "content-type")}
                 r = httpx.post(front.upstream + self.path, content=body, headers=headers, timeout=120)
-                out = front.corrupt(r.json()) if r.status_code == 200 else r.json()
+                handshake = self.path == "/v1/pd/handshake" and r.status_code == 200
+                out = front.corrupt(r.json()) if handshake else r.json()
                 data = out if isinstance(out, bytes) else json.dumps(out).encode()
                 front.answered += 1
                 reply(self, r.status_code, data)
@@ -323,6 +328,175 @@ class IdleCloser:
 
     def close(self) -> None:
         self._sock.close()
+
+
+FAULTS_ENV = "FAULTKIT_FAULTS"
+
+
+@dataclass
+class Faults:
+    """In-process faults for ``python -m tests.faultkit serve`` (all off by default).
+
+    Decode: with probability ``stall_p`` a KV copy on the copy thread first stalls for up to ``stall_s`` (what
+    is queued behind it waits too), and with ``late_p`` it ends up to ``late_s`` after its last byte landed;
+    ``inline_bytes`` moves the size above which reads go to the copy thread (0: all of them). Prefill:
+    ``reuse_after_hold`` overwrites a hand-off's pages with random bytes the moment prefill may reuse them: on
+    decode's release, or when its hold ends unreleased (lease expiry runs every ``expire_every_s``, so at a
+    random point up to that long after the hold); its prompts share no cached prefix, so the pages are the
+    hand-off's alone. ``loop_probe``: log every stall of the event loop over ``LOOP_LOG_MS`` (``loop_stalls``
+    reads them back)."""
+
+    stall_p: float = 0.0
+    stall_s: float = 0.0
+    late_p: float = 0.0
+    late_s: float = 0.0
+    inline_bytes: int | None = None
+    reuse_after_hold: bool = False
+    expire_every_s: float = 1.0
+    loop_probe: bool = False
+    seed: int = 0
+
+    def env(self) -> dict[str, str]:
+        return {FAULTS_ENV: json.dumps(self.__dict__)}
+
+
+def start_faulty(name: str, log_dir: Path, role: str, faults: Faults, *flags: str,
+                 env: dict[str, str] | None = None) -> Proc:
+    """A real worker of ``role`` with ``faults`` installed in its process."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.faultkit", "serve", "--role", role, "--port", str(port),
+           "--max-total-tokens", "8192", *flags]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return start(name, cmd, f"http://127.0.0.1:{port}", log_dir, {**(env or {}), **faults.env(), "PYTHONPATH": path})
+
+
+@dataclass(frozen=True)
+class LoopStall:
+    """One delay of a ``loop_probe`` tick: how long past its time it ran (``ms``), how much of that the event
+    loop's thread spent running (``cpu_ms``: code on the loop; the rest it waited for a core or the GIL), and
+    when (wall clock)."""
+
+    ms: float
+    cpu_ms: float
+    at: float
+
+
+def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
+    """The stalls over ``LOOP_LOG_MS`` a ``loop_probe`` worker logged, from wall time ``since`` on."""
+    stalls = []
+    for line in proc.log.read_text(errors="replace").splitlines():
+        if line.startswith("faultkit: loop stall"):
+            kv = dict(part.split("=") for part in line.split()[3:])
+            stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["at"])))
+    return [s for s in stalls if s.at >= since]
+
+
+def loop_lag_ms(proc: Proc, since: float = 0.0) -> float:
+    """The longest event-loop stall a ``loop_probe`` worker logged since ``since`` (0 when none passed
+    ``LOOP_LOG_MS``)."""
+    return max((s.ms for s in loop_stalls(proc, since)), default=0.0)
+
+
+def reused_pages(proc: Proc) -> int:
+    """Pages a ``reuse_after_hold`` prefill overwrote after their hold."""
+    return sum(int(line.split("pages=")[1].split()[0]) for line in proc.log.read_text(errors="replace").splitlines()
+               if line.startswith("faultkit: reused"))
+
+
+def _install(faults: Faults) -> None:
+    """Patch this process's worker code with ``faults`` before it starts."""
+    rng = random.Random(faults.seed or None)
+    if faults.stall_p or faults.late_p:
+        from decode_worker.transfer import agent
+
+        def on_copy_thread(method):
+            def faulty(self, *args):
+                if not threading.current_thread().name.startswith("kv-read"):
+                    return method(self, *args)
+                if rng.random() < faults.stall_p:
+                    time.sleep(rng.uniform(0, faults.stall_s))
+                result = method(self, *args)
+                if rng.random() < faults.late_p:
+                    time.sleep(rng.uniform(0, faults.late_s))
+                return result
+            return faulty
+
+        agent.KVAgent._copy_mapped = on_copy_thread(agent.KVAgent._copy_mapped)
+        agent.KVAgent._post = on_copy_thread(agent.KVAgent._post)
+    if faults.inline_bytes is not None:
+        from decode_worker.transfer import agent
+
+        agent.INLINE_BYTES = faults.inline_bytes
+    if faults.reuse_after_hold:
+        _reuse_after_hold(faults.expire_every_s)
+    if faults.loop_probe:
+        _probe_loop()
+
+
+def _reuse_after_hold(every_s: float) -> None:
+    """Prefill: no shared prefixes; expire leases every ``every_s``; overwrite an expired hand-off's pages."""
+    import torch
+
+    from decode_worker.config import ServerConfig
+    from decode_worker.engine.engine import Engine
+    from decode_worker.pd import prefill
+
+    ServerConfig.radix_cache = property(lambda self: False)
+    expire, release = prefill.KVHandoff.expire, prefill.KVHandoff._release
+
+    def overwrite(self, lease) -> None:
+        """Another prompt's KV, as a reuse would leave: finite values (random bytes would make NaNs, which poison
+        attention even in the slots past a prompt's end that reuse leaves stale and attention weighs by 0)."""
+        pages = lease.req.seq.pages
+        self.pool.buffer[pages] = torch.randn(self.pool.buffer[pages].shape).to(self.pool.buffer.dtype)
+        print(f"faultkit: reused pages={len(lease.req.seq.pages)} room={lease.room}", file=sys.stderr, flush=True)
+
+    def expire_and_reuse(self) -> None:
+        now = time.monotonic()
+        for lease in [lease for lease in self.handed.values() if lease.expires < now]:
+            overwrite(self, lease)
+        expire(self)
+
+    def release_and_reuse(self, room: int, lease_id: int) -> None:
+        lease = self.handed.get(lease_id)
+        if lease is not None and lease.room == room:  # decode is done with it: prefill may reuse it at once
+            overwrite(self, lease)
+        release(self, room, lease_id)
+
+    async def expire_often(self) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            self.handoff.expire()
+
+    prefill.KVHandoff.expire = expire_and_reuse
+    prefill.KVHandoff._release = release_and_reuse
+    Engine._expire_leases = expire_often
+
+
+LOOP_LOG_MS = 20.0
+
+
+def _probe_loop() -> None:
+    """Tick every 5 ms on the worker's event loop; log each tick that ran over ``LOOP_LOG_MS`` late, with the
+    loop thread's own CPU time over it (``time.thread_time``: work on the loop, not a wait for a core)."""
+    from decode_worker.engine.engine import Engine
+
+    start = Engine.start
+
+    async def probe() -> None:
+        while True:
+            t0, c0 = time.monotonic(), time.thread_time()
+            await asyncio.sleep(0.005)
+            lag, cpu = time.monotonic() - t0 - 0.005, time.thread_time() - c0
+            if lag * 1000 > LOOP_LOG_MS:
+                print(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={cpu * 1000:.1f} at={time.time():.3f}",
+                      file=sys.stderr, flush=True)
+
+    async def start_with_probe(self) -> None:
+        await start(self)
+        self._loop_probe = asyncio.get_running_loop().create_task(probe())
+
+    Engine.start = start_with_probe
 
 
 def start_victim_prefill(name: str, log_dir: Path, die_at: int, *flags: str, env: dict[str, str] | None = None) -> Proc:
@@ -624,14 +798,17 @@ def unexpected(outcomes: list[Outcome], faulty: set[str] = frozenset(), deadline
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[0] != "die-at-transfer":
-        print("usage: python -m tests.faultkit die-at-transfer N serve [decode-worker serve flags]", file=sys.stderr)
+    if argv[:1] == ["die-at-transfer"] and len(argv) >= 3:
+        if int(argv[1]) > 0:
+            _die_at_transfer(int(argv[1]))
+        argv = argv[2:]
+    if argv[:1] != ["serve"]:
+        print("usage: python -m tests.faultkit [die-at-transfer N] serve [decode-worker serve flags]", file=sys.stderr)
         return 2
-    if int(argv[1]) > 0:
-        _die_at_transfer(int(argv[1]))
+    _install(Faults(**json.loads(os.environ.get(FAULTS_ENV) or "{}")))
     from decode_worker.cli import main
 
-    return main(argv[2:])
+    return main(argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """Faults injected over real processes on loopback while shared-prefix PD traffic flows.
 
 The cluster: a prefill worker, a victim prefill that dies while its decode peer reads its KV (or is SIGKILLed from
-outside), two stub prefills that answer the handshake naming an unreachable agent or never answer it, a redis-server L3
-behind a proxy that can slow it past its deadline, and three decode workers (radix + hicache + Redis L3, one
-per write policy) whose L1 is small enough that load forces retraction. A seeded schedule runs one fault per
+outside), two stub prefills that answer the handshake naming an unreachable agent or never answer it, a front of
+the prefill that corrupts one field of its answers (a token outside the vocabulary, a page past the pool, a
+truncated body, ...), a redis-server L3 behind a proxy that can slow it past its deadline, and three decode
+workers (radix + hicache + Redis L3, one per write policy) whose L1 is small enough that load forces retraction.
+Apart from them, a prefill with a 2 s hold that overwrites a hand-off's pages the moment its hold ends (as a reuse
+would), and a decode whose KV copy thread stalls and whose reads end late, past that hold. A seeded schedule runs one fault per
 episode while router-like traffic flows (greedy, streaming and not, some clients leaving mid-way). After every
 episode each decode still running must be healthy, idle with no locked page, with its pages adding up in every
 tier and /metrics agreeing with /server_info; every output seen (and a fixed probe set) must equal a no-cache
 reference token for token; and no request may fail except those whose prefill peer was killed or stalled, which
-must get a clear 502/504 within their deadline. Each episode prints one JSON line with what it measured.
+must get a clear 502/504 within their deadline. Every decode's event loop is probed: its longest stall is
+reported at the end and must stay under ``LOOP_STALL_LIMIT_MS``. Each episode prints one JSON line with what it
+measured.
 
 ``FAULTS_SEED`` picks the schedule (default 11); the slow variant runs ``FAULTS_ROUNDS`` rounds (default 3).
 """
@@ -26,14 +31,18 @@ from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from decode_worker.pd.decode import handshake_client
 from tests.faultkit import (
+    BAD_ANSWERS,
     MAX_NEW_TOKENS,
+    CorruptingPrefill,
     DelayProxy,
+    Faults,
     IdleCloser,
     Mix,
     Outcome,
@@ -45,11 +54,15 @@ from tests.faultkit import (
     check_worker,
     died_mid_transfer,
     log_errors,
+    loop_lag_ms,
+    loop_stalls,
     one_request,
     probe,
     prompt_margins,
     reference_from,
+    reused_pages,
     run_traffic,
+    start_faulty,
     start_victim_prefill,
     summarize,
     unexpected,
@@ -70,7 +83,13 @@ L1_TOKENS = 192  # 12 pages: three or four concurrent requests (4-5 pages each, 
 BURST = 6  # requests sent to each decode at once in pool_exhaustion: more than its L1 holds
 PROBES = (0, 6, 11, 14)  # one prompt per system message and one more; each episode probes two of them
 STORE_DELAY_S = 2.5  # longer than the L3 tier's 2 s deadline per store call
-FAULTS = ("kill_prefill", "stalled_prefill", "redis_restart", "slow_store", "client_aborts", "pool_exhaustion")
+REUSE_HOLD_S = 2.0  # the reusing prefill's hold: decode's read deadline is 1 s after its answer
+PROBED = Faults(loop_probe=True)
+STALLING = Faults(stall_p=0.35, stall_s=2.5, late_p=0.25, late_s=1.0, inline_bytes=0, loop_probe=True)
+REUSING = Faults(reuse_after_hold=True, expire_every_s=0.05)
+LOOP_STALL_LIMIT_MS = 100.0
+FAULTS = ("kill_prefill", "stalled_prefill", "redis_restart", "slow_store", "client_aborts", "pool_exhaustion",
+          "late_reads", "bad_answers")
 
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (make system-deps)")
 
@@ -98,10 +117,17 @@ class Cluster:
     proxy: DelayProxy
     stubs: dict[str, StubPrefill]
     ref: Reference
+    reuser: Proc  # a prefill that overwrites a hand-off's pages the moment its hold ends
+    stalling: Proc  # a decode whose copy thread stalls and whose reads end late (read from ``reuser`` only)
+    front: CorruptingPrefill  # the prefill's handshake, one field of each answer corrupted
     gone: set[str] = field(default_factory=set)  # decodes shut down on purpose
 
     def live(self) -> list[Proc]:
         return [d for d in self.decodes if d.name not in self.gone]
+
+    def probed(self) -> list[Proc]:
+        """Every decode whose event loop is probed, running or not."""
+        return [*self.decodes, self.stalling]
 
     def mix(self, peers: dict[Peer, float] | None = None, **kw) -> Mix:
         return Mix(self.live(), peers or {Peer.of(self.prefill): 1.0}, **kw)
@@ -148,11 +174,17 @@ def cluster(logs: Path, seed: int) -> Iterator[Cluster]:
         procs = start_all([
             lambda: start_worker("prefill", logs, "prefill", "--kv-lease-s", str(LEASE_S), env=TOKEN),
             lambda: start_victim_prefill("victim", logs, die_at, "--kv-lease-s", str(LEASE_S), env=TOKEN),
-            *[lambda p=p: start_worker(f"decode-{p}", logs, "decode", *decode_flags(p, proxy.port), env=TOKEN)
+            lambda: start_faulty("reuser", logs, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN),
+            lambda: start_faulty("decode-stalling", logs, "decode", STALLING, "--disaggregation-decode-enable-radix-cache",
+                                 "--handshake-timeout-s", str(HANDSHAKE_S), "--transfer-timeout-s", str(TRANSFER_S),
+                                 env=TOKEN),
+            *[lambda p=p: start_faulty(f"decode-{p}", logs, "decode", PROBED, *decode_flags(p, proxy.port), env=TOKEN)
               for p in POLICIES],
         ])
         t1 = time.monotonic()
-        c = Cluster(logs, procs[0], procs[1], die_at, procs[2:], redis, proxy, stubs, reference_from(procs[0]))
+        front = CorruptingPrefill(procs[0].url)
+        c = Cluster(logs, procs[0], procs[1], die_at, procs[4:], redis, proxy, stubs, reference_from(procs[0]),
+                    procs[2], procs[3], front)
         print(json.dumps({"start_s": round(t1 - t0, 1), "reference_s": round(time.monotonic() - t1, 1)}), flush=True)
         yield c
     finally:
@@ -160,6 +192,8 @@ def cluster(logs: Path, seed: int) -> Iterator[Cluster]:
             p.stop()
         for s in stubs.values():
             s.close()
+        if c is not None:
+            c.front.close()
         proxy.close()
         redis.stop()
 
@@ -376,8 +410,48 @@ async def shutdown(c: Cluster, rng: random.Random, scale: float) -> Episode:
     return ep
 
 
+async def late_reads(c: Cluster, rng: random.Random, scale: float) -> Episode:
+    """Reads that end after prefill's hold: the stalling decode's copy thread stalls (a read queued behind it
+    starts late) and its copies end late, while the reusing prefill overwrites a hand-off's pages as soon as its
+    2 s hold ends. A read that ends after its deadline must fail (504), never answer with the overwritten bytes:
+    every output is checked against the reference like all others."""
+    stalling, reuser = c.stalling, c.reuser
+    before = (stalling.metric("decode_worker_transfer_failures_total", default=0.0, reason="timeout"),
+              reused_pages(reuser))
+    mix = Mix([stalling], {Peer.of(reuser): 1.0}, concurrency=6, modes={"full": 2, "stream": 1})
+    outcomes = await flow(mix, c, rng.getrandbits(32), 8 * scale)
+    ep = Episode("late_reads", outcomes, frozenset({reuser.name}), HANDSHAKE_S + TRANSFER_S + SLACK_S)
+    late = stalling.metric("decode_worker_transfer_failures_total", default=0.0, reason="timeout") - before[0]
+    overwritten = reused_pages(reuser) - before[1]
+    if not late or not overwritten:
+        ep.problems.append(f"{late} reads failed late and {overwritten} pages were reused: the fault never bit")
+    ep.figures.update(reads_failed_late=late, pages_overwritten_after_hold=overwritten,
+                      answered=sum(o.status == 200 for o in outcomes), hold_s=REUSE_HOLD_S)
+    return ep
+
+
+async def bad_answers(c: Cluster, rng: random.Random, scale: float) -> Episode:
+    """Some traffic bootstraps from a front of the real prefill that corrupts one field of each handshake answer
+    (a truncated body among them): each such request fails alone with a 502 naming the field; the rest of the
+    traffic on the same decodes is served."""
+    pick = random.Random(rng.getrandbits(32))
+    c.front.corrupt = lambda d: pick.choice(list(BAD_ANSWERS.values()))(d)
+    before = sum(d.metric("decode_worker_transfer_failures_total", default=0.0, reason="bad_answer") for d in c.live())
+    outcomes = await flow(c.mix({Peer.of(c.prefill): 3.0, Peer.of(c.front): 1.0}), c, rng.getrandbits(32), 6 * scale)
+    ep = Episode("bad_answers", outcomes, frozenset({c.front.name}), HANDSHAKE_S + TRANSFER_S + SLACK_S)
+    refused = sum(d.metric("decode_worker_transfer_failures_total", default=0.0, reason="bad_answer")
+                  for d in c.live()) - before
+    sent = [o for o in outcomes if o.peer == c.front.name and not o.aborted]
+    ep.problems += [f"room {o.room}: {o.status} {o.message!r}" for o in sent
+                    if o.status != 502 or "unusable handshake answer" not in o.message]
+    if not sent:
+        ep.problems.append("no request bootstrapped from the corrupting front")
+    ep.figures.update(bad_answers_refused=refused, requests_to_front=len(sent))
+    return ep
+
+
 EPISODES = {f.__name__: f for f in (kill_prefill, stalled_prefill, redis_restart, slow_store, client_aborts,
-                                    pool_exhaustion, shutdown)}
+                                    pool_exhaustion, late_reads, bad_answers, shutdown)}
 
 
 # ---- the schedule --------------------------------------------------------------------------------------------------
@@ -387,7 +461,7 @@ def verify(c: Cluster, ep: Episode, seed: int) -> list[str]:
     t0 = time.monotonic()
     gone = {d.name for d in c.decodes if d.name in c.gone}
     problems = ep.problems + unexpected(ep.outcomes, ep.faulty, ep.deadline_s, gone) + wrong_outputs(ep.outcomes, c.ref)
-    for d in c.live():
+    for d in [*c.live(), c.stalling]:
         try:
             check_worker(d)
         except AssertionError as e:
@@ -414,7 +488,7 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
     rng = random.Random(seed)
     names = [name for _ in range(rounds) for name in rng.sample(FAULTS, len(FAULTS))] + ["shutdown"]
     print(json.dumps({"seed": seed, "schedule": names}), flush=True)
-    problems = []
+    problems, requests, since = [], [], time.time()  # loop stalls while the cluster started do not count
     for i, name in enumerate(names):
         if name == "kill_prefill" and c.victim is None:  # a later kill round needs a fresh victim
             c.victim_die_at = rng.choice([0, rng.randint(1, 3)])
@@ -424,15 +498,25 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
         t0 = time.monotonic()
         ep = asyncio.run(EPISODES[name](c, random.Random(ep_seed), scale))
         ep.figures["wall_s"] = round(time.monotonic() - t0, 1)
+        requests.append(len(ep.outcomes))
         problems += [f"[{i} {name}] {p}" for p in verify(c, ep, ep_seed)]
-    assert_healthy(c.prefill)
-    try:  # KV held for decode peers that never came (clients gone early) is freed when its lease ends
-        wait_idle(c.prefill, LEASE_S + 15)
-        assert_accounting(c.prefill)
-    except AssertionError as e:
-        problems.append(f"[prefill] {e}")
-    for proc in (c.prefill, *c.decodes):  # a fault must not surface as an exception inside a worker either
+    for prefill in (c.prefill, c.reuser):
+        assert_healthy(prefill)
+        try:  # KV held for decode peers that never came (clients gone early) is freed when its lease ends
+            wait_idle(prefill, LEASE_S + 15)
+            assert_accounting(prefill)
+        except AssertionError as e:
+            problems.append(f"[{prefill.name}] {e}")
+    for proc in (c.prefill, c.reuser, *c.probed()):  # a fault must not surface as an exception inside a worker
         problems += [f"[{proc.name} log] {line}" for line in log_errors(proc)]
+    stalls = {d.name: loop_stalls(d, since) for d in c.probed()}
+    print(json.dumps({"requests": sum(requests), "decode_loop_stall_max_ms": {
+        name: max((x.ms for x in found), default=0.0) for name, found in stalls.items()},
+        "loop_thread_cpu_in_longest_stall_ms": {
+        name: max(found, key=lambda x: x.ms).cpu_ms if found else 0.0 for name, found in stalls.items()},
+        "limit_ms": LOOP_STALL_LIMIT_MS}), flush=True)
+    problems += [f"[{name}] its event loop stalled {x.ms:.0f} ms ({x.cpu_ms:.0f} ms of it running on the loop)"
+                 for name, found in stalls.items() for x in found if x.ms > LOOP_STALL_LIMIT_MS]
     assert not problems, "\n".join(problems)
 
 
@@ -441,6 +525,37 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
 def test_fault_schedule(tmp_path, smollm2_path):
     with cluster(tmp_path, SEED) as c:
         run_schedule(c, SEED, rounds=1, scale=1.0)
+
+
+@pytest.mark.timeout(600)
+def test_late_reads_never_serve_reused_pages(tmp_path, smollm2_path):
+    """The late_reads episode alone, on two processes: a decode whose copy thread stalls and whose copies end late,
+    reading from a prefill that overwrites a hand-off's pages the moment its 2 s hold ends. Every answer equals
+    the cache-free reference (before the fix, a copy that ran after the hold answered 200 with the overwritten
+    bytes), the late ones fail with 504 within their deadline, and neither side keeps a page."""
+    procs = start_all([
+        lambda: start_faulty("reuser", tmp_path, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN),
+        lambda: start_faulty("decode-stalling", tmp_path, "decode", STALLING, "--disaggregation-decode-enable-radix-cache",
+                             "--handshake-timeout-s", str(HANDSHAKE_S), "--transfer-timeout-s", str(TRANSFER_S),
+                             env=TOKEN),
+    ])
+    try:
+        reuser, stalling = procs
+        c = SimpleNamespace(reuser=reuser, stalling=stalling, ref=reference_from(reuser))
+        ep = asyncio.run(late_reads(c, random.Random(SEED), 1.0))
+        problems = ep.problems + unexpected(ep.outcomes, ep.faulty, ep.deadline_s) + wrong_outputs(ep.outcomes, c.ref)
+        for proc in procs:
+            try:
+                check_worker(proc, idle_timeout_s=REUSE_HOLD_S + 15)
+            except AssertionError as e:
+                problems.append(str(e))
+        print(json.dumps({"episode": ep.name, **summarize(ep.outcomes), **ep.figures,
+                          "loop_stall_max_ms": loop_lag_ms(stalling)}), flush=True)
+        assert ep.figures["answered"] > 0, "no read landed: the check of the answers proves nothing"
+        assert not problems, "\n".join(problems)
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @pytest.mark.slow
