@@ -3,6 +3,7 @@ and with several decode workers a redis-server as their shared L3)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import secrets
 import shutil
@@ -23,9 +24,32 @@ CACHE_FLAGS = ["--disaggregation-decode-enable-radix-cache", "--disaggregation-d
 DECODE_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 20.0  # how long children get to stop on SIGTERM before they are killed
+PR_SET_PDEATHSIG = 1
+
+
+class Stopping(Exception):  # noqa: N818 - a request to stop, not an error
+    """A stop signal reached ``up``."""
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A child's pre-exec step: the kernel sends it SIGKILL when ``up`` dies, however ``up`` dies (even by
+    SIGKILL, which no handler sees). If ``up`` died before this ran, the child exits at once."""
+    def arm() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 @dataclass
 class Deployment:
-    """Child processes of a local deployment; stopped together, in reverse start order."""
+    """Child processes of a local deployment, stopped together however ``up`` is stopped: each runs in its own
+    session (a terminal's Ctrl-C reaches only ``up``, which then stops them in order), a stop signal stops them
+    all with SIGTERM to their process groups, a second signal or ``STOP_GRACE_S`` escalates to SIGKILL, and the
+    kernel kills them if ``up`` itself dies."""
 
     log_dir: Path
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -33,7 +57,7 @@ class Deployment:
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
         self.procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                  start_new_session=True)))
+                                                  start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))))
 
     def wait_ready(self, name: str, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
         """Poll ``ready`` until it says yes, the child dies, or the deadline passes."""
@@ -50,15 +74,35 @@ class Deployment:
     def wait_healthy(self, name: str, url: str, timeout_s: float) -> None:
         self.wait_ready(name, lambda: http_ok(url), url, timeout_s)
 
-    def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in reversed(self.procs):
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to every child's process group, SIGKILL to what is left after ``grace_s`` or at once on a
+        second stop signal; returns once every child has exited."""
+        def kill_now(signum: int, _: object) -> None:
+            print(f"{signal.Signals(signum).name} again: killing what is left", file=sys.stderr, flush=True)
+            self._signal_all(signal.SIGKILL)
+
+        previous = {sig: signal.signal(sig, kill_now) for sig in STOP_SIGNALS}
+        try:
+            self._signal_all(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self._signal_all(signal.SIGKILL)
+            for _, proc in self.procs:
+                proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _alive(self) -> list[subprocess.Popen]:
+        return [proc for _, proc in self.procs if proc.poll() is None]
+
+    def _signal_all(self, sig: int) -> None:
+        for proc in reversed(self._alive()):
             try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, sig)  # its group: whatever the child started goes too
+            except ProcessLookupError:
+                pass
 
     def watch(self) -> None:
         """Block until a child dies or we are told to stop."""
@@ -241,7 +285,12 @@ def run_up(args: argparse.Namespace) -> int:
     env.setdefault("DECODE_WORKER_PD_TOKEN", secrets.token_hex(16))
     env["DECODE_WORKER_API_KEY"] = args.api_key  # the workers read it from here; empty leaves them open
     dep = Deployment(log_dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def stopping(signum: int, _: object) -> None:
+        raise Stopping(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopping)
     try:
         redis_url = _start_redis(dep, args, env) if shared_l3(args) else None
         _start_workers(dep, args, env, redis_url)
@@ -251,8 +300,8 @@ def run_up(args: argparse.Namespace) -> int:
         dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
         _print_ready(args, metrics_port, redis_url, log_dir)
         dep.watch()
-    except KeyboardInterrupt:
-        pass
+    except Stopping as e:
+        print(f"{e}: stopping the deployment", file=sys.stderr, flush=True)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
