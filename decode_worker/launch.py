@@ -160,7 +160,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="the router's Prometheus port (0: a free one; sglang-router's own default, 29000, "
                              "would clash with a second deployment on the host)")
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--max-total-tokens", type=int, default=32768)
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="each worker's L1 in tokens; unset: sized by each worker (on CPU from the model's "
+                             "context and the memory available)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp folder)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -247,7 +249,9 @@ def _start_redis(dep: Deployment, args: argparse.Namespace, env: dict[str, str])
 
 
 def _start_workers(dep: Deployment, args: argparse.Namespace, env: dict[str, str], redis_url: str | None) -> None:
-    common = ["--host", args.host, "--max-total-tokens", str(args.max_total_tokens), "--page-size", str(args.page_size)]
+    common = ["--host", args.host, "--page-size", str(args.page_size)]
+    if args.max_total_tokens is not None:
+        common += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.model_path:
         common += ["--model-path", args.model_path]
     worker = [sys.executable, "-m", "decode_worker.cli", "serve"]

@@ -123,3 +123,20 @@ def device_pool_tokens(model, page_size: int, dtype: torch.dtype, mem_fraction_s
             f"and CUDA graphs (one page is {layout.page_bytes} bytes). Raise --mem-fraction-static or set "
             "--max-total-tokens.")
     return pages * page_size
+
+
+HOST_CONTEXTS = 2  # full contexts of the model an unsized CPU L1 holds
+HOST_L1_SHARE = 1 / 16  # most of the available memory an unsized CPU L1 takes
+
+
+def host_device_pool_tokens(model, page_size: int, dtype: torch.dtype, available_bytes: int | None = None) -> int:
+    """L1 capacity in tokens on CPU when ``--max-total-tokens`` is not given: ``HOST_CONTEXTS`` full contexts of the
+    model (``model.max_context``), less where that would take more than ``HOST_L1_SHARE`` of the memory available
+    now, and never under one context. The L2 (a multiple of it) and a second worker on the same host then still
+    fit a laptop; a larger L1 is one flag away."""
+    layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
+    have = mem_available_bytes() if available_bytes is None else available_bytes
+    token_bytes = layout.page_bytes / page_size
+    tokens = min(HOST_CONTEXTS * model.max_context, int(have * HOST_L1_SHARE / token_bytes))
+    tokens = max(tokens, model.max_context)
+    return max(page_size, tokens // page_size * page_size)

@@ -10,7 +10,7 @@ import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.prefix_cache import NoPrefixReuse
-from decode_worker.cache.sizing import device_pool_tokens, host_pool_pages, make_host_pool
+from decode_worker.cache.sizing import device_pool_tokens, host_device_pool_tokens, host_pool_pages, make_host_pool
 from decode_worker.config import ServerConfig, mask_url, package_version
 from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
@@ -64,6 +64,8 @@ class Engine:
         if device == "cuda" and "max_total_tokens" not in cfg.model_fields_set:  # SGLang's --mem-fraction-static
             tokens = device_pool_tokens(loaded.config, cfg.page_size, getattr(torch, cfg.dtype),
                                         cfg.mem_fraction_static)
+        elif "max_total_tokens" not in cfg.model_fields_set:  # from the model's context and the host's memory
+            tokens = host_device_pool_tokens(loaded.config, cfg.page_size, getattr(torch, cfg.dtype))
         self.runner = ModelRunner(loaded, tokens, cfg.page_size, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                                   shared_pool=cfg.role == "prefill")  # its decode peers on this host map it
         host_pool = None
