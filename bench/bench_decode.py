@@ -1,8 +1,10 @@
-"""Decode throughput: the server's scheduler and paged runner (through the offline ``LLM``) vs transformers
-`generate` on SmolLM2, same prompts, one run.
+"""Decode and prefill throughput: the server's scheduler and paged runner (through the offline ``LLM``) vs
+transformers on SmolLM2, same prompts, one run, for the default CPU dtype (``--dtype auto``) and for float32.
 
-Prints one JSON line: tokens/s of both and their ratio per batch size.
-Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtype float32]
+Prints one JSON line: per dtype, decode tokens/s of both and their ratio per batch size (greedy, ``generate``),
+and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first token; transformers: one
+forward). Medians of ``--repeats`` alternating runs.
+Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
+from decode_worker.model.cpu_features import auto_dtype
 from decode_worker.model.embedded import ensure_default_model
 
 PROMPTS = [
@@ -27,6 +30,9 @@ PROMPTS = [
     "Why is the sky blue?",
     "Summarise the plot of Romeo and Juliet.",
 ]
+
+
+LLAMA_CPP_BATCH1_TOK_S = 87  # llama.cpp, same Q4_1 file, 2 threads, on the machine the targets were set on
 
 
 def chat_ids(llm: LLM, n: int) -> list[list[int]]:
@@ -55,31 +61,71 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: 
     return len(prompts) * new_tokens / elapsed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = ap.parse_args()
+def long_prompt(llm: LLM, tokens: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += llm.tokenizer.encode(" ".join(PROMPTS))
+    return ids[:tokens]
+
+
+def time_prefill_ours(llm: LLM, ids: list[int]) -> float:
+    start = time.perf_counter()
+    llm.generate([ids], SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True))
+    return len(ids) / (time.perf_counter() - start)
+
+
+def time_prefill_transformers(model, ids: list[int]) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    return len(ids) / (time.perf_counter() - start)
+
+
+def compare(a: list[float], b: list[float]) -> dict:
+    o, t = statistics.median(a), statistics.median(b)
+    return {"ours_tok_s": round(o, 1), "transformers_tok_s": round(t, 1), "ratio": round(o / t, 2)}
+
+
+def bench_dtype(path, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, args.dtype)
-    path = ensure_default_model()
     llm = LLM(str(path), max_total_tokens=32768, page_size=16, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype).eval()
     time_ours(llm, chat_ids(llm, 2), 4)  # warm-up both
     time_transformers(hf, chat_ids(llm, 2), 4, 2)
-    result = {"bench": "decode", "model": path.name, "dtype": args.dtype, "new_tokens": args.new_tokens,
-              "threads": torch.get_num_threads(), "batches": {}}
+    out = {"int4_layers": llm.loaded.int4_layers, "decode": {}}
     for bs in args.batches:
         prompts = chat_ids(llm, bs)
         ours, theirs = [], []
         for _ in range(args.repeats):
             ours.append(time_ours(llm, prompts, args.new_tokens))
             theirs.append(time_transformers(hf, prompts, args.new_tokens, 2))
-        o, t = statistics.median(ours), statistics.median(theirs)
-        result["batches"][str(bs)] = {"ours_tok_s": round(o, 1), "transformers_tok_s": round(t, 1), "ratio": round(o / t, 2)}
+        out["decode"][str(bs)] = compare(ours, theirs)
+    ids = long_prompt(llm, args.prefill_tokens)
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        ours.append(time_prefill_ours(llm, ids))
+        theirs.append(time_prefill_transformers(hf, ids))
+    out["prefill"] = {"prompt_tokens": len(ids), **compare(ours, theirs)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill-tokens", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"], choices=["auto", "float32", "bfloat16"],
+                    help="auto: what --dtype auto picks on this machine")
+    args = ap.parse_args()
+    path = ensure_default_model()
+    result = {"bench": "decode", "model": path.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+              "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S, "dtypes": {}}
+    for name in dict.fromkeys(auto_dtype(torch.cuda.is_available())[0] if d == "auto" else d for d in args.dtypes):
+        result["dtypes"][name] = bench_dtype(path, getattr(torch, name), args)
+        if args.dtypes[0] == "auto" and "default_dtype" not in result:
+            result["default_dtype"] = name
     print(json.dumps(result))
 
 
