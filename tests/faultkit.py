@@ -372,13 +372,20 @@ def start_faulty(name: str, log_dir: Path, role: str, faults: Faults, *flags: st
 
 @dataclass(frozen=True)
 class LoopStall:
-    """One delay of a ``loop_probe`` tick: how long past its time it ran (``ms``), how much of that the event
-    loop's thread spent running (``cpu_ms``: code on the loop; the rest it waited for a core or the GIL), and
-    when (wall clock)."""
+    """One delay of a ``loop_probe`` tick: how long past its time it ran (``ms``), and how the event loop's thread
+    spent it, from the kernel's accounting of that thread (``/proc/thread-self/schedstat``): running (``cpu_ms``:
+    code on the loop) and waiting for a core while runnable (``runqueue_ms``: other processes and threads had
+    the machine's cores). The rest it slept: blocked in a system call or waiting for the GIL. ``at``: wall time."""
 
     ms: float
     cpu_ms: float
+    runqueue_ms: float
     at: float
+
+    @property
+    def blocked_ms(self) -> float:
+        """What the loop itself lost: running code on it, or blocked, not counting the wait for a free core."""
+        return self.ms - self.runqueue_ms
 
 
 def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
@@ -387,7 +394,7 @@ def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
     for line in proc.log.read_text(errors="replace").splitlines():
         if line.startswith("faultkit: loop stall"):
             kv = dict(part.split("=") for part in line.split()[3:])
-            stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["at"])))
+            stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["runqueue_ms"]), float(kv["at"])))
     return [s for s in stalls if s.at >= since]
 
 
@@ -477,20 +484,26 @@ LOOP_LOG_MS = 20.0
 
 
 def _probe_loop() -> None:
-    """Tick every 5 ms on the worker's event loop; log each tick that ran over ``LOOP_LOG_MS`` late, with the
-    loop thread's own CPU time over it (``time.thread_time``: work on the loop, not a wait for a core)."""
+    """Tick every 5 ms on the worker's event loop; log each tick that ran over ``LOOP_LOG_MS`` late, with how the
+    loop's thread spent it (``LoopStall``)."""
     from decode_worker.engine.engine import Engine
 
     start = Engine.start
 
+    def schedstat() -> tuple[float, float]:
+        """(running, waiting for a core) of this thread so far, in seconds."""
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
     async def probe() -> None:
         while True:
-            t0, c0 = time.monotonic(), time.thread_time()
+            t0, (run0, wait0) = time.monotonic(), schedstat()
             await asyncio.sleep(0.005)
-            lag, cpu = time.monotonic() - t0 - 0.005, time.thread_time() - c0
+            lag, (run1, wait1) = time.monotonic() - t0 - 0.005, schedstat()
             if lag * 1000 > LOOP_LOG_MS:
-                print(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={cpu * 1000:.1f} at={time.time():.3f}",
-                      file=sys.stderr, flush=True)
+                print(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={(run1 - run0) * 1000:.1f} "
+                      f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f}", file=sys.stderr, flush=True)
 
     async def start_with_probe(self) -> None:
         await start(self)

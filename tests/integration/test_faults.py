@@ -11,9 +11,10 @@ episode while router-like traffic flows (greedy, streaming and not, some clients
 episode each decode still running must be healthy, idle with no locked page, with its pages adding up in every
 tier and /metrics agreeing with /server_info; every output seen (and a fixed probe set) must equal a no-cache
 reference token for token; and no request may fail except those whose prefill peer was killed or stalled, which
-must get a clear 502/504 within their deadline. Every decode's event loop is probed: its longest stall is
-reported at the end and must stay under ``LOOP_STALL_LIMIT_MS``. Each episode prints one JSON line with what it
-measured.
+must get a clear 502/504 within their deadline. Every decode's event loop is probed: its stalls are reported at
+the end, split by the kernel's accounting of the loop's thread into running code on the loop, waiting for a core
+(seven workers share two here) and blocked (a system call or the GIL); running plus blocked must stay under
+``LOOP_STALL_LIMIT_MS``. Each episode prints one JSON line with what it measured.
 
 ``FAULTS_SEED`` picks the schedule (default 11); the slow variant runs ``FAULTS_ROUNDS`` rounds (default 3).
 """
@@ -510,13 +511,16 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
     for proc in (c.prefill, c.reuser, *c.probed()):  # a fault must not surface as an exception inside a worker
         problems += [f"[{proc.name} log] {line}" for line in log_errors(proc)]
     stalls = {d.name: loop_stalls(d, since) for d in c.probed()}
-    print(json.dumps({"requests": sum(requests), "decode_loop_stall_max_ms": {
-        name: max((x.ms for x in found), default=0.0) for name, found in stalls.items()},
-        "loop_thread_cpu_in_longest_stall_ms": {
-        name: max(found, key=lambda x: x.ms).cpu_ms if found else 0.0 for name, found in stalls.items()},
-        "limit_ms": LOOP_STALL_LIMIT_MS}), flush=True)
-    problems += [f"[{name}] its event loop stalled {x.ms:.0f} ms ({x.cpu_ms:.0f} ms of it running on the loop)"
-                 for name, found in stalls.items() for x in found if x.ms > LOOP_STALL_LIMIT_MS]
+    print(json.dumps({"requests": sum(requests), "limit_ms": LOOP_STALL_LIMIT_MS, "decode_loop": {
+        name: {"stall_max_ms": max((x.ms for x in found), default=0.0),
+               "blocked_max_ms": round(max((x.blocked_ms for x in found), default=0.0), 1),
+               "running_max_ms": max((x.cpu_ms for x in found), default=0.0),
+               "stalls_over_limit": sum(x.ms > LOOP_STALL_LIMIT_MS for x in found),
+               "of_them_waiting_for_a_core_ms": [x.runqueue_ms for x in found if x.ms > LOOP_STALL_LIMIT_MS][:10]}
+        for name, found in stalls.items()}}), flush=True)
+    problems += [f"[{name}] its event loop was blocked {x.blocked_ms:.0f} ms (a {x.ms:.0f} ms stall, {x.cpu_ms:.0f} ms "
+                 f"of it running code on the loop, {x.runqueue_ms:.0f} ms waiting for a core)"
+                 for name, found in stalls.items() for x in found if x.blocked_ms > LOOP_STALL_LIMIT_MS]
     assert not problems, "\n".join(problems)
 
 
