@@ -32,7 +32,7 @@ from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.roles import COLOCATED, PromptDone, PromptSource
-from decode_worker.scheduler.telemetry import record_close, record_loaded, record_token
+from decode_worker.scheduler.telemetry import log_failure, record_close, record_loaded, record_token
 
 log = logging.getLogger(__name__)
 S = ReqState
@@ -369,6 +369,7 @@ class Scheduler:
             except Exception:  # the state is already broken: answer the client at least
                 log.exception("failing %s", req.rid)
                 req.stream.queue.put_nowait(TokenEvent([], [], None, error=error))
+                log_failure(req, error)
                 self._close(req, "error")
 
     def _fail(self, req: Req, error: RequestError) -> None:
@@ -384,6 +385,7 @@ class Scheduler:
         req.release(self.cache, self.page_size, insert=False)
         req.aborted = req.aborted or error
         req.stream.queue.put_nowait(TokenEvent([], [], None, error=error))
+        log_failure(req, error)
         self._close(req, "aborted" if error.status == 499 else "error")
 
     def _close(self, req: Req, outcome: str) -> None:

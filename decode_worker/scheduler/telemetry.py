@@ -2,11 +2,15 @@
 and, for one that finished, its whole latency and finish reason (``metrics.py`` declares the families)."""
 from __future__ import annotations
 
+import logging
 import time
 
 from decode_worker.core.lifecycle import ReqState
+from decode_worker.core.request import RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.scheduler.req import Req
+
+log = logging.getLogger("decode_worker.requests")
 
 
 def record_token(metrics: Metrics, req: Req) -> None:
@@ -35,3 +39,13 @@ def record_close(metrics: Metrics, req: Req, outcome: str) -> None:
     if outcome == "ok":
         metrics.e2e_latency.observe(time.monotonic() - req.stream.created_at)
         metrics.request_success.labels((req.seq.finish_reason or {"type": "length"})["type"]).inc()
+
+
+def log_failure(req: Req, error: RequestError) -> None:
+    """One line for a request that ends without its answer: its id, its PD room, the status and the reason, so
+    a failure a client may not show (an error event in a 200 stream) is never silent. A client that left is
+    routine (info); anything else is a warning."""
+    room = req.inp.bootstrap.room if req.inp.bootstrap is not None else "-"
+    level = logging.INFO if error.status == 499 else logging.WARNING
+    log.log(level, "request %s failed: room %s, %d %s: %s (%d tokens out)", req.rid, room, error.status, error.kind,
+            error, len(req.seq.output_ids))

@@ -1,9 +1,10 @@
 """Server-sent events as SGLang and OpenAI streaming clients read them: a ``data:`` line per JSON chunk, an
-error raised mid-stream sent as a last error event (its status line went out with the first chunk), then
-``data: [DONE]``."""
+error raised mid-stream (any error: its status line went out with the first chunk) sent as a last
+``{"error": {...}}`` event, then ``data: [DONE]``."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -11,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from decode_worker.core.request import RequestError
 from decode_worker.server.errors import error_body
 
+log = logging.getLogger(__name__)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
 
 
@@ -22,8 +24,11 @@ async def _framed(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield _event(chunk)
-    except RequestError as e:
+    except RequestError as e:  # the scheduler logged the request's failure
         yield _event(error_body(str(e), e.status, e.kind))
+    except Exception as e:  # a bug while building a chunk: the client still hears of it, and the stream ends
+        log.exception("stream failed")
+        yield _event(error_body(f"internal error: {type(e).__name__}: {e}", 500, "internal_error"))
     yield _event("[DONE]")
 
 
