@@ -101,8 +101,16 @@ OWN_SHARE_NOTE = ("The decode worker's own share is its TTFT less prefill's (que
                   "timings the worker does not export.")
 
 
+def _in_order(rows: Sequence[Row]) -> list[Row]:
+    """Grouped by workload, then link, then mode, each in the order the run first met it."""
+    order = [{v: i for i, v in enumerate(dict.fromkeys(getattr(r, k) for r in rows))}
+             for k in ("workload", "link", "mode")]
+    return sorted(rows, key=lambda r: tuple(o[getattr(r, k)] for o, k in zip(order, ("workload", "link", "mode"))))
+
+
 def link_table(rows: Sequence[Row], settings: dict) -> tuple[str, dict]:
     """The Markdown and what the JSON adds to its settings (the savings and the TTFT model)."""
+    rows = _in_order(rows)
     found = savings(rows)
     model = fit_and_check(rows, settings)
     md = "\n\n".join([

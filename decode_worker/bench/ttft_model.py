@@ -135,7 +135,7 @@ def model_tables(fit: Fit | None) -> list[str]:
         check.append(f"| {p.workload} | {p.link} | {p.mode} | {p.measured_s:.3f} | {p.predicted_s:.3f} "
                      f"| {p.miss:+.0%}{flag} |")
     ref = [f"Predicted for the reference ({REFERENCE.name}, {REFERENCE.kv_bytes_per_token / 1024:.0f} KiB of KV "
-           f"per token, prefill {1 / REFERENCE.prefill_s_per_token:.0f} tokens/s), with this run's hit rates:",
+           f"per token, prefill {1 / REFERENCE.prefill_s_per_token:.0f} tokens/s), with this run's hit rates:\n",
            "| workload | link | TTFT off / radix / hier (s) | hier vs radix | hier vs off |", "|---|---|---|---|---|"]
     for e in fit.reference:
         t = e["ttft_s"]
