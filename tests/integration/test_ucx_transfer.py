@@ -313,3 +313,39 @@ def test_a_peer_whose_pool_socket_stalls_is_read_over_nixl_and_the_loop_keeps_ru
         agent.close()
         peer.close()
         listener.close()
+
+
+def test_a_peer_dropped_or_left_behind_while_its_pool_is_asked_for_keeps_nothing():
+    """The pool is asked for in a thread: a peer dropped meanwhile, or a loop that closes meanwhile, never gets the
+    mapping, and its pidfd is closed once the thread ends."""
+    def pidfds() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    peer = PeerProcess(PAGES, "mapped")
+    pool = KVPool(LAYOUT, PAGES)
+    agent = KVAgent(pool.buffer, "decode")
+    try:
+        before = pidfds()  # earlier tests in this process may hold some of their own
+
+        async def dropped():
+            remote = agent.add_peer(peer.metadata, peer.pool)
+            agent.drop_peer(remote.name)
+            await remote.mapping
+            return remote.mapped
+        assert asyncio.run(dropped()) is None
+        assert pidfds() == before
+
+        async def left_behind():  # the loop ends while the asking thread runs: asyncio.run cancels the task
+            remote = agent.add_peer(peer.metadata, peer.pool)
+            await asyncio.sleep(0)  # the task starts the thread
+            return remote
+        remote = asyncio.run(left_behind())
+        assert remote.mapped is None and remote.mapping.cancelled()
+        give_up = time.monotonic() + 5
+        while pidfds() > before and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert pidfds() == before  # the mapping that came after the loop closed was closed
+    finally:
+        agent.close()
+        peer.close()
