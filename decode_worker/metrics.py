@@ -84,6 +84,8 @@ class Metrics:
         self.requests = Counter(PREFIX + "requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
         self.retractions = Counter(PREFIX + "retractions", "Running requests retracted when L1 ran out", registry=r)
+        self.kv_events_dropped = Counter(PREFIX + "kv_events_dropped", "KV events lost to a full publisher queue "
+                                         "(subscribers then see a sequence gap and an AllBlocksCleared)", registry=r)
         self.ttft = Histogram(PREFIX + "ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_transfer = Histogram(PREFIX + "kv_transfer_seconds", "PD: prefill accepted the handshake until the delta KV "
                                      "is in the request's pages (prefill's compute is not in it)",

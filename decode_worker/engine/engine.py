@@ -83,7 +83,7 @@ class Engine:
             storage_backup_policy=(StorageBackup.HIT_TWICE if write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
                                    else StorageBackup.ALL),
         )
-        self.kv_events = open_kv_events(cfg, self.cache)
+        self.kv_events = open_kv_events(cfg, self.cache, self.metrics)
         log.info(startup_summary(cfg, self.runner, self.model_path, host_pool.num_pages if host_pool else 0))
 
     async def start(self) -> None:

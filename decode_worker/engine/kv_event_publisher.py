@@ -7,9 +7,12 @@ the payload is msgpack ``[timestamp, [event, ...], data_parallel_rank]``, each e
 missed (8 bytes, big-endian) and gets ``[seq, payload]`` for each buffered batch from there, then ``[-1, b""]``.
 
 The event loop only ever calls ``put``, which never blocks: events go into a bounded queue and a thread batches,
-encodes and sends them. A full queue drops the event and counts it (a subscriber then holds a stale view until
-the next ``AllBlocksCleared``); a slow subscriber costs nothing here either, as a PUB socket drops past its
-high-water mark.
+encodes and sends them. A full queue drops the event and counts it (``dropped``, and ``on_drop`` for the
+metric), and a subscriber must be able to tell that it missed something: once the queue has room again the
+sender, at the place in the stream where events went missing, skips one sequence number (a gap no replay can
+fill: the lost events were never sent) and sends an ``AllBlocksCleared`` ahead of every later event, so a router forgets what it thought this worker held (under-counting it for a while rather
+than routing to pages that are gone) and rebuilds from the events that follow. A slow subscriber costs nothing
+here either, as a PUB socket drops past its high-water mark.
 """
 from __future__ import annotations
 
@@ -18,16 +21,18 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgpack
 import zmq
 
-from decode_worker.cache.kv_events import KVEvent
+from decode_worker.cache.kv_events import AllBlocksCleared, KVEvent
 
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 MAX_BATCH = 1024  # events per message: bounds one message's size when the cache changes a lot at once
+LOST = AllBlocksCleared()  # queued where events were dropped; the sender turns it into a sequence gap + a clear
 IDLE_POLL_S = 0.05  # how often an idle sender looks at replay requests and at close
 
 
@@ -46,12 +51,15 @@ class ZmqEventPublisher:
     """A PUB socket (and an optional ROUTER for replay) fed from a bounded queue by one sender thread."""
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, topic: str = "", replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000):
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 on_drop: Callable[[], None] | None = None):
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.dropped = 0  # events lost to a full queue
+        self.on_drop = on_drop  # called once per event dropped (the metric)
+        self._lost = False  # events were dropped and no LOST marker is queued after them yet (event loop only)
         self.sent = 0  # batches sent
         self._topic = topic.encode()
-        self._queue: queue.Queue[KVEvent] = queue.Queue(max_queue_size)
+        self._queue: queue.Queue[KVEvent] = queue.Queue(max_queue_size)  # plus LOST markers
         self._history: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._closing = threading.Event()
         self._ctx = zmq.Context()
@@ -74,11 +82,18 @@ class ZmqEventPublisher:
     def put(self, event: KVEvent) -> None:
         """Queue one event; never blocks (the event loop calls it from the cache)."""
         try:
+            if self._lost:  # the first event queued after a drop goes behind a marker of the drop
+                self._queue.put_nowait(LOST)
+                self._lost = False
             self._queue.put_nowait(event)
         except queue.Full:
             self.dropped += 1
+            self._lost = True
+            if self.on_drop is not None:
+                self.on_drop()
             if self.dropped == 1:
-                log.warning("KV events: queue full, dropping events (subscribers fall out of step)")
+                log.warning("KV events: queue full, dropping events; subscribers see a sequence gap and an "
+                            "AllBlocksCleared")
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (within ``timeout_s``), then close the sockets."""
@@ -111,15 +126,28 @@ class ZmqEventPublisher:
                     events.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                payload = encode_batch(events, time.time())
-                self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
-            except Exception:  # a send must not kill the sender; the gap shows in the sequence numbers
-                log.exception("KV events: sending batch %d failed", seq)
-            else:
-                self._history.append((seq, payload))
-                self.sent += 1
-            seq += 1
+            batch: list[KVEvent] = []
+            for event in events:
+                if event is LOST:  # events were dropped here: send what came before, then the gap and the clear
+                    seq = self._send(seq, batch) + 1
+                    batch = [AllBlocksCleared()]
+                else:
+                    batch.append(event)
+            seq = self._send(seq, batch)
+
+    def _send(self, seq: int, events: list[KVEvent]) -> int:
+        """Send ``events`` as batch ``seq``; the next number (``seq`` itself when there was nothing to send)."""
+        if not events:
+            return seq
+        try:
+            payload = encode_batch(events, time.time())
+            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+        except Exception:  # a send must not kill the sender; the gap shows in the sequence numbers
+            log.exception("KV events: sending batch %d failed", seq)
+        else:
+            self._history.append((seq, payload))
+            self.sent += 1
+        return seq + 1
 
     def _serve_replays(self) -> None:
         while self._replay.poll(0):

@@ -46,14 +46,14 @@ def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
     return StorageTier(backend, layout, policy)
 
 
-def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache) -> ZmqEventPublisher | None:
+def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics) -> ZmqEventPublisher | None:
     """The KV event publisher ``--kv-events-config`` asks for, fed by ``cache``'s tree; None when off (the tree
     then pays one ``is None`` test per tier change). It opens with ``AllBlocksCleared``: a restarted worker
-    publishing on the same topic holds nothing."""
+    publishing on the same topic holds nothing. Events a full queue drops count in ``kv_events_dropped_total``."""
     settings = cfg.kv_events
     if settings is None:
         return None
-    publisher = ZmqEventPublisher(**settings)
+    publisher = ZmqEventPublisher(**settings, on_drop=metrics.kv_events_dropped.inc)
     publisher.put(AllBlocksCleared())
     cache.tree.events = TreeEvents(cache.tree, publisher.put)
     log.info("KV events: %s %s, topic %r%s", "bound to" if binds(publisher.endpoint) else "connected to",

@@ -26,6 +26,7 @@ from decode_worker.config import ConfigError, ServerConfig, kv_events_settings
 from decode_worker.engine.kv_event_publisher import ZmqEventPublisher
 from decode_worker.engine.wiring import open_kv_events
 from decode_worker.launch import free_port
+from decode_worker.metrics import Metrics
 from tests.unit.test_hicache import PS, make_cache, run, start
 
 TOPIC = "kv@10.0.0.7:30000@smollm2"
@@ -124,7 +125,7 @@ def wire():
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         cfg = ServerConfig(kv_events_config=f'{{"publisher": "zmq", "endpoint": "{endpoint}", "topic": "{TOPIC}"}}')
         replica = Replica(endpoint, "kv@", bind=True)
-        publisher = open_kv_events(cfg, cache)
+        publisher = open_kv_events(cfg, cache, Metrics())
         made.append((cache, publisher, replica))
         replica.join(publisher)
         return cache, dev, replica, publisher
@@ -281,7 +282,7 @@ def test_the_flag_refuses_what_it_cannot_honour(raw, message):
 def test_off_by_default_and_refused_without_prefix_reuse():
     cache, _, _ = make_cache(host_pages=None)
     try:
-        assert open_kv_events(ServerConfig(), cache) is None and cache.tree.events is None
+        assert open_kv_events(ServerConfig(), cache, Metrics()) is None and cache.tree.events is None
     finally:
         cache.close()
     with pytest.raises(ConfigError, match="--kv-events-config needs"):
@@ -308,3 +309,49 @@ def test_failed_copies_withdraw_what_they_announced(wire):
     cache.release(handle)
     check()
     assert {m for _, m in replica.present} == {MEDIUM_CPU}
+
+
+def test_a_full_queue_shows_as_a_sequence_gap_then_a_clear_and_is_counted(tmp_path):
+    """Blocks stored then removed, far faster than a 4-event queue drains: events are dropped, and a subscriber
+    must be able to tell: the sequence numbers skip one where events went missing, an AllBlocksCleared comes
+    right after the gap, and the view rebuilt from what follows it is never wrong (here: empty at the end)."""
+    counted = []
+    endpoint = f"ipc://{tmp_path}/events"
+    publisher = ZmqEventPublisher(endpoint, max_queue_size=4, on_drop=lambda: counted.append(1))
+    replica = Replica(endpoint)
+    batches: list[tuple[int, list]] = []
+    try:
+        replica.join(publisher)
+        for i in range(3000):
+            publisher.put(BlockStored([i], None, [i, i], 2, MEDIUM_GPU))
+            publisher.put(BlockRemoved([i], MEDIUM_GPU))
+        time.sleep(0.2)
+        publisher.put(BlockStored([10**6], None, [1, 1], 2, MEDIUM_GPU))  # after the flood: arrives whole
+        while replica.sub.poll(500):
+            _, seq, payload = replica.sub.recv_multipart()
+            batches.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    finally:
+        publisher.close()
+        replica.close()
+    assert publisher.dropped > 0 and len(counted) == publisher.dropped
+    seqs = [s for s, _ in batches]
+    gaps = [i for i in range(1, len(seqs)) if seqs[i] != seqs[i - 1] + 1]
+    assert gaps, seqs
+    assert all(batches[i][1][0] == ["AllBlocksCleared"] for i in gaps)  # every gap is followed by a clear
+    present: set[int] = set()  # a router's view, lenient as routers are about removals of unknown blocks
+    for _, events in batches:
+        for tag, *fields in events:
+            if tag == "AllBlocksCleared":
+                present.clear()
+            elif tag == "BlockStored":
+                present.update(fields[0])
+            else:
+                present.difference_update(fields[0])
+    assert present == {10**6}
+
+
+def test_dropped_events_are_a_metric():
+    metrics = Metrics()
+    metrics.kv_events_dropped.inc()
+    assert b"decode_worker_kv_events_dropped_total" in metrics.render()
+    assert metrics.kv_events_dropped._value.get() == 1
