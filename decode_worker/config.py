@@ -53,8 +53,8 @@ class ServerConfig(BaseSettings):
     dtype: str = _opt("weights and KV dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA and on CPUs "
                       "with native bf16, AVX512-BF16 or AMX; float32 on other CPUs)", "auto")
     max_total_tokens: int = _opt("L1 (device) KV capacity in tokens; unset with L1 on CUDA: sized from the memory "
-                                 "free after the weights by --mem-fraction-static; unset on CPU: two of the model's "
-                                 "contexts, less where that passes 1/16 of the available memory", 32768)
+                                 "free after the weights by --mem-fraction-static; unset on CPU: the model's context "
+                                 "length", 32768)
     mem_fraction_static: float = _opt("with L1 on CUDA and --max-total-tokens unset: the share of device memory "
                                       "weights and KV pool may take (the rest: activations, CUDA graphs)",
                                       0.85)  # cache/sizing.py's MEM_FRACTION_STATIC

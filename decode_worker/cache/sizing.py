@@ -125,7 +125,7 @@ def device_pool_tokens(model, page_size: int, dtype: torch.dtype, mem_fraction_s
     return pages * page_size
 
 
-HOST_CONTEXTS = 2  # full contexts of the model an unsized CPU L1 holds
+HOST_CONTEXTS = 1  # full contexts of the model an unsized CPU L1 holds
 HOST_L1_SHARE = 1 / 16  # most of the available memory an unsized CPU L1 takes
 
 
@@ -138,5 +138,5 @@ def host_device_pool_tokens(model, page_size: int, dtype: torch.dtype, available
     have = mem_available_bytes() if available_bytes is None else available_bytes
     token_bytes = layout.page_bytes / page_size
     tokens = min(HOST_CONTEXTS * model.max_context, int(have * HOST_L1_SHARE / token_bytes))
-    tokens = max(tokens, model.max_context)
+    tokens = max(tokens, model.max_context)  # a request of the model's whole context always fits
     return max(page_size, tokens // page_size * page_size)

@@ -83,16 +83,17 @@ def test_pin_in_place_does_nothing_without_cuda(cuda_calls):
     assert not cuda_calls
 
 
-def test_unsized_cpu_l1_holds_two_contexts_within_a_share_of_available_memory():
+def test_unsized_cpu_l1_holds_the_model_context_within_a_share_of_available_memory(monkeypatch: pytest.MonkeyPatch):
     from types import SimpleNamespace
 
-    from decode_worker.cache.sizing import host_device_pool_tokens
+    from decode_worker.cache import sizing
 
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, max_context=8192)
     token_bytes = 30 * 2 * 3 * 64 * 2  # bf16 K and V of every layer
-    assert host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=16 * 2**30) == 2 * 8192
-    tight = host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=3 * 2**30)
-    assert 8192 < tight < 2 * 8192 and tight * token_bytes <= 3 * 2**30 / 16 and tight % 16 == 0
-    assert host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=2**28) == 8192  # one context at least
-    fp32 = host_device_pool_tokens(smollm2, 16, torch.float32, available_bytes=6 * 2**30)  # twice the bytes a token
-    assert fp32 == int(6 * 2**30 / 16 / (2 * token_bytes)) // 16 * 16
+    assert sizing.host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=16 * 2**30) == 8192
+    assert sizing.host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=2**28) == 8192  # never less
+    monkeypatch.setattr(sizing, "HOST_CONTEXTS", 4)  # the memory share caps it
+    tight = sizing.host_device_pool_tokens(smollm2, 16, torch.bfloat16, available_bytes=6 * 2**30)
+    assert 8192 < tight < 4 * 8192 and tight * token_bytes <= 6 * 2**30 / 16 and tight % 16 == 0
+    fp32 = sizing.host_device_pool_tokens(smollm2, 16, torch.float32, available_bytes=12 * 2**30)  # 2x the bytes
+    assert fp32 == int(12 * 2**30 / 16 / (2 * token_bytes)) // 16 * 16
