@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from decode_worker.core.sampling import SamplingParams
 
@@ -33,6 +34,27 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool = False
     bootstrap: Bootstrap | None = None
+    logprob_start: int | None = None  # score the prompt's tokens from this position on; None: do not
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's own log-probabilities from ``start``: each token's under the model given the tokens before it
+    (None for the prompt's first token, which nothing precedes), and per token its best alternatives."""
+
+    start: int
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]]]  # per scored token, best first; [] for the first token or with top 0
+
+
+class Prefilled(NamedTuple):
+    """What a prompt source hands the scheduler with a received prompt: prefill's first token, its logprob and
+    alternatives, and the prompt's logprobs when the request asked for them."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass
@@ -45,6 +67,7 @@ class TokenEvent:
     error: RequestError | None = None
     cached_tokens: dict[str, int] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
+    prompt_logprobs: PromptLogprobs | None = None  # with the first event, when the request scores its prompt
 
 
 @dataclass

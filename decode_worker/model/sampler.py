@@ -7,13 +7,15 @@ read-back of the results. Only rows with a seed draw one by one, from their own 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from decode_worker.core.request import PromptLogprobs
 from decode_worker.core.sampling import SamplingParams
 
 NUCLEUS_CANDIDATES = 256  # CPU top-p sorts only this many best tokens per row when they already pass top_p
+SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a long prompt's scoring makes
 
 
 @dataclass
@@ -31,6 +33,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each chosen token under the unmodified distribution
     top_logprobs: list[list[tuple[int, float]]]  # per row, its ``top_logprobs`` best (id, logprob); [] when none
+    prompt: list[PromptLogprobs | None] = field(default_factory=list)  # per row, an extend's scored prompt, if any
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -55,6 +58,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     ids, top = values[2 * batch: (2 + k) * batch], values[(2 + k) * batch:]
     tops = [[(int(ids[b * k + j]), top[b * k + j]) for j in range(p.top_logprobs)] for b, p in enumerate(params)]
     return SampleResult([int(t) for t in values[:batch]], values[batch: 2 * batch], tops)
+
+
+def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-probability of ``targets[i]`` under row i of ``logits`` [n, vocab] (the model's own distribution, as
+    for chosen tokens), and each row's ``k`` best (id, logprob). Rows go through in slices; one read-back."""
+    target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    parts: list[torch.Tensor] = []
+    for at in range(0, len(targets), SCORE_ROWS):
+        logprobs = torch.log_softmax(logits[at: at + SCORE_ROWS].float(), dim=-1)
+        parts.append(logprobs.gather(1, target[at: at + SCORE_ROWS, None])[:, 0].double())
+        if k:
+            best = logprobs.topk(k, dim=-1)
+            parts += [best.indices.flatten().double(), best.values.flatten().double()]
+    values = torch.cat(parts).tolist() if parts else []
+    chosen: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    at = 0
+    for start in range(0, len(targets), SCORE_ROWS):
+        n = min(SCORE_ROWS, len(targets) - start)
+        chosen += values[at: at + n]
+        ids, lps = values[at + n: at + n + n * k], values[at + n + n * k: at + n + 2 * n * k]
+        top += [[(int(ids[r * k + j]), lps[r * k + j]) for j in range(k)] for r in range(n)]
+        at += n + 2 * n * k
+    return chosen, top
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

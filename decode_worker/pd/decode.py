@@ -33,13 +33,14 @@ import numpy as np
 from decode_worker.cache.handles import NO_PAGES
 from decode_worker.config import ServerConfig
 from decode_worker.core.prefill_hosts import prefill_hosts
-from decode_worker.core.request import Bootstrap, RequestError
+from decode_worker.core.request import Bootstrap, Prefilled, RequestError
 from decode_worker.metrics import Metrics
 from decode_worker.pd.handshake import (
     HANDSHAKE_PATH,
     PD_TOKEN_HEADER,
     Answer,
     Asked,
+    BadAnswer,
     prompt_digest,
     release_message,
 )
@@ -119,13 +120,19 @@ class DeltaKVFetcher:
         """The request left before admission: stop its handshake, and free prefill's pages if it had answered."""
         self._forget_room(req.rid)
 
-    async def receive(self, req: Req, delta_pages: np.ndarray) -> tuple[int, float]:
-        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token."""
+    async def receive(self, req: Req, delta_pages: np.ndarray) -> Prefilled:
+        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token and
+        the logprobs the request asked for, all of which prefill computed: the prompt's from its own forward
+        (``scheduler/scoring.py``), so a prefix this worker already held changes nothing in them."""
         room = self._rooms.get(req.rid) or self._start(req)
         try:
             answer, peer = await room.task
+            try:
+                first = answer.prefilled(req.inp.logprob_start, req.seq.params.top_logprobs)
+            except BadAnswer as e:
+                raise self._fail("bad_answer", f"prefill {room.boot.host}:{room.boot.port} answered: {e}") from e
             await self._read(req, room, answer, peer, delta_pages.tolist())
-            return answer.first_token, answer.logprob
+            return first
         finally:
             self._forget_room(req.rid)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from decode_worker.core.request import Prefilled, PromptLogprobs
+from decode_worker.core.sampling import MAX_TOP_LOGPROBS
 from decode_worker.transfer.descriptors import PoolDescriptor
 
 
@@ -77,11 +79,30 @@ class Answer:
     metadata: bytes  # prefill's agent metadata; empty when decode said it knows the agent
     hold_s: float
     waited_s: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # the first token's alternatives, if asked
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's own, scored in prefill's forward, if asked
 
     def to_json(self) -> dict[str, Any]:
         return {"status": "ready", "room": self.room, "lease": self.lease, "pages": self.pages,
                 "first_token": self.first_token, "logprob": self.logprob, "pool": self.pool.to_dict(),
-                "metadata": base64.b64encode(self.metadata).decode(), "hold_s": self.hold_s, "waited_s": self.waited_s}
+                "metadata": base64.b64encode(self.metadata).decode(), "hold_s": self.hold_s, "waited_s": self.waited_s,
+                "top_logprobs": [[t, lp] for t, lp in self.top_logprobs],
+                "prompt_logprobs": _prompt_to_json(self.prompt_logprobs)}
+
+    def prefilled(self, logprob_start: int | None, top_logprobs: int) -> Prefilled:
+        """What the scheduler takes from the answer, once its logprobs are what the request asks for (``BadAnswer``
+        otherwise: a prefill that scored another start or width answered another request, or an older version)."""
+        if len(self.top_logprobs) != top_logprobs:
+            raise BadAnswer("top_logprobs", f"has {len(self.top_logprobs)} alternatives, the request asks for "
+                                            f"{top_logprobs}")
+        p = self.prompt_logprobs
+        if (None if p is None else p.start) != logprob_start:
+            have = "none" if p is None else f"them from position {p.start}"
+            raise BadAnswer("prompt_logprobs", f"carries {have}, the request asks for "
+                                               f"{'none' if logprob_start is None else f'them from {logprob_start}'}")
+        if p is not None and any(len(row) != top_logprobs for row in p.top[p.start == 0:]):
+            raise BadAnswer("prompt_logprobs.top", f"must list {top_logprobs} alternatives per token")
+        return Prefilled(self.first_token, self.logprob, self.top_logprobs, p)
 
     @classmethod
     def from_json(cls, d: Any, asked: Asked) -> Answer:
@@ -115,7 +136,9 @@ class Answer:
             raise BadAnswer("metadata", f"must be base64 of at most {MAX_METADATA_BYTES} bytes")
         return cls(room, _int(d, "lease", 0, 1 << 63), pages, _int(d, "first_token", 0, asked.vocab_size),
                    _float(d, "logprob", -math.inf, 0.0), pool, raw, _float(d, "hold_s", 0.0, MAX_HOLD_S, low_open=True),
-                   _float(d, "waited_s", 0.0, asked.round_trip_s))
+                   _float(d, "waited_s", 0.0, asked.round_trip_s),
+                   _alternatives(d.get("top_logprobs", []), "top_logprobs", asked.vocab_size),
+                   _prompt_from_json(d.get("prompt_logprobs"), asked))
 
 
 def _int(d: dict, name: str, low: int, high: int, prefix: str = "") -> int:
@@ -169,3 +192,47 @@ def parse_release(message: bytes) -> tuple[int, int] | None:
         return int(parts[1]), int(parts[2])
     except ValueError:
         return None
+
+
+def _prompt_to_json(p: PromptLogprobs | None) -> dict[str, Any] | None:
+    return None if p is None else {"start": p.start, "logprobs": p.logprobs,
+                                   "top": [[[t, lp] for t, lp in row] for row in p.top]}
+
+
+def _logprob(v: Any, name: str) -> float:
+    """A log-probability: a finite number <= 0."""
+    if type(v) not in (int, float) or not math.isfinite(v) or v > 0:
+        raise BadAnswer(name, f"must hold finite log-probabilities <= 0, not {v!r}")
+    return float(v)
+
+
+def _alternatives(v: Any, name: str, vocab_size: int) -> list[tuple[int, float]]:
+    """At most ``MAX_TOP_LOGPROBS`` [token id, logprob] pairs, ids in the vocabulary."""
+    if not isinstance(v, list) or len(v) > MAX_TOP_LOGPROBS:
+        raise BadAnswer(name, f"must be a list of at most {MAX_TOP_LOGPROBS} [token, logprob] pairs")
+    out = []
+    for pair in v:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or not 0 <= pair[0] < vocab_size:
+            raise BadAnswer(name, f"must be [token, logprob] pairs with tokens in [0, {vocab_size}), not {pair!r}")
+        out.append((pair[0], _logprob(pair[1], name)))
+    return out
+
+
+def _prompt_from_json(v: Any, asked: Asked) -> PromptLogprobs | None:
+    """The prompt's logprobs from ``start`` to its end: None for position 0 (nothing precedes it), else finite
+    logprobs <= 0, each with a list of alternatives (empty for position 0)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise BadAnswer("prompt_logprobs", f"must be a JSON object or null, not {type(v).__name__}")
+    start = _int(v, "start", 0, asked.prompt_len, "prompt_logprobs.")
+    logprobs, top, n = v.get("logprobs"), v.get("top"), asked.prompt_len - start
+    if not isinstance(logprobs, list) or not isinstance(top, list) or len(logprobs) != n or len(top) != n:
+        raise BadAnswer("prompt_logprobs", f"must score the {n} prompt tokens from position {start}, with "
+                                           "alternatives for each")
+    values = [None if start + i == 0 and lp is None else _logprob(lp, "prompt_logprobs.logprobs")
+              for i, lp in enumerate(logprobs)]
+    rows = [_alternatives(row, "prompt_logprobs.top", asked.vocab_size) for row in top]
+    if start == 0 and rows[0]:
+        raise BadAnswer("prompt_logprobs.top", "must be empty for the prompt's first token")
+    return PromptLogprobs(start, values, rows)

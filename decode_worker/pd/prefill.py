@@ -142,9 +142,10 @@ class KVHandoff:
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_releases())
         metadata = b"" if body.known_agent == self.agent.name else self.agent.metadata()
+        first = req.handoff
         return Answer(body.room, lease_id, req.seq.pages[: -(-len(prompt) // self.pool.page_size)],
-                      req.seq.output_ids[0], req.seq.output_logprobs[0], self.agent.pool, metadata, hold,
-                      waited_s=now - asked)
+                      first.token, first.logprob, self.agent.pool, metadata, hold, waited_s=now - asked,
+                      top_logprobs=first.top, prompt_logprobs=first.prompt)
 
     async def _wait_for_room(self, room: int) -> _Lease:
         """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""

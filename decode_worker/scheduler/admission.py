@@ -20,6 +20,7 @@ from decode_worker.scheduler.lookahead import StorageLookahead
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import KVTransfer, Req
 from decode_worker.scheduler.roles import PromptSource
+from decode_worker.scheduler.scoring import computed_before
 
 S = ReqState
 PEER_LOOKAHEAD = 32
@@ -102,7 +103,10 @@ class Admission:
         """Tokens whose cached KV the request can use, packed (``Sequence.key``). Locally computed requests need at
         least their last token extended to get its logits; a received prompt gets KV for all of it."""
         seq = req.seq
-        return seq.key(len(seq.prompt_ids) if self.source.receives(req) else seq.num_tokens - 1)
+        if self.source.receives(req):
+            return seq.key(len(seq.prompt_ids))
+        scored_from = computed_before(req)  # a prompt scored here needs its logits from there on
+        return seq.key(seq.num_tokens - 1 if scored_from is None else min(seq.num_tokens - 1, scored_from))
 
     def try_alloc(self, req: Req) -> bool:
         """Match, check the budget, lock and allocate; False (taking nothing) when it does not fit now. On

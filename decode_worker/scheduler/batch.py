@@ -9,6 +9,7 @@ from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import Shaping
 from decode_worker.scheduler.req import Req
+from decode_worker.scheduler.scoring import ScoredExtend, plan_scoring
 
 
 class BatchKind(Enum):
@@ -22,13 +23,14 @@ class Batch:
     reqs: list[Req]
     forward: ForwardBatch  # what ``ModelRunner.forward_sample`` runs; its sampled tokens go to ``postprocess``
     shaping: list[Shaping | None]  # per request, taken on the loop: the forward thread reads no live sequence
+    scoring: ScoredExtend | None = None  # an extend whose requests score their prompts (``scoring.py``)
 
 
 def extend_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int, ...]) -> Batch:
     seqs = [r.seq for r in reqs]
     fb = runner.build_batch([s.token_ids[s.num_computed:] for s in seqs], [s.num_computed for s in seqs],
                             [s.pages for s in seqs])
-    return Batch(BatchKind.EXTEND, reqs, fb, [shaping(s, eos_token_ids) for s in seqs])
+    return Batch(BatchKind.EXTEND, reqs, fb, [shaping(s, eos_token_ids) for s in seqs], plan_scoring(reqs, fb))
 
 
 def decode_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int, ...]) -> Batch:

@@ -15,7 +15,7 @@ import numpy as np
 from decode_worker.cache.hicache import LoadHandle
 from decode_worker.cache.prefix_cache import PrefixCache
 from decode_worker.core.lifecycle import CacheHits, ReqState
-from decode_worker.core.request import GenerateInput, RequestError, RequestStream
+from decode_worker.core.request import GenerateInput, Prefilled, RequestError, RequestStream
 from decode_worker.core.sequence import Sequence
 from decode_worker.scheduler.lookahead import StorageFetch
 
@@ -26,7 +26,7 @@ class KVTransfer:
     handle) and, when its role receives the prompt's KV, the task receiving it from prefill."""
 
     since: float  # admission; the load-back deadline counts from here
-    task: asyncio.Task[tuple[int, float]] | None = None  # returns prefill's first token and its logprob
+    task: asyncio.Task[Prefilled | tuple[int, float]] | None = None  # returns prefill's first token and its logprob
 
     def in_flight(self) -> bool:
         """The receive may still write into the request's pages: nothing may free them yet."""
@@ -48,6 +48,7 @@ class Req:
     first_token_sent: bool = False
     last_token_at: float = 0.0  # monotonic time of its last output token (inter-token latency)
     retries: int = 0  # failed load-backs so far
+    handoff: Prefilled | None = None  # prefill role: the first token and logprobs the handshake's answer carries
 
     @property
     def rid(self) -> str:

@@ -22,7 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.prefix_cache import PrefixCache
 from decode_worker.core.lifecycle import ReqState
-from decode_worker.core.request import GenerateInput, RequestError, RequestStream, TokenEvent
+from decode_worker.core.request import (
+    GenerateInput,
+    Prefilled,
+    PromptLogprobs,
+    RequestError,
+    RequestStream,
+    TokenEvent,
+)
 from decode_worker.core.sequence import Sequence, check_finish, check_fits
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
@@ -168,8 +175,11 @@ class Scheduler:
     def _forward(self, batch: Batch) -> SampleResult:
         """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
         reqs, started = batch.reqs, time.monotonic()
-        result = self.runner.forward_sample(batch.forward, [r.seq.params for r in reqs],
-                                            [r.seq.generator for r in reqs], batch.shaping)
+        params, generators = [r.seq.params for r in reqs], [r.seq.generator for r in reqs]
+        if batch.scoring is not None:
+            result = batch.scoring.forward_sample(self.runner, batch.forward, params, generators, batch.shaping)
+        else:
+            result = self.runner.forward_sample(batch.forward, params, generators, batch.shaping)
         self.metrics.forward_seconds.labels(batch.kind.value).observe(time.monotonic() - started)
         return result
 
@@ -208,16 +218,23 @@ class Scheduler:
             req.seq.num_computed = req.seq.num_tokens
             if extend and req.aborted is None:
                 req.cache_computed(self.cache, self.page_size)
-        for req, token, logprob, top in zip(batch.reqs, result.token_ids, result.logprobs, result.top_logprobs):
+        prompts = result.prompt or [None] * len(batch.reqs)
+        for req, token, logprob, top, prompt in zip(batch.reqs, result.token_ids, result.logprobs,
+                                                    result.top_logprobs, prompts):
             if req.aborted is not None:
                 continue
-            self._emit(req, token, logprob, top)
             if extend and self.done.hold(req):  # even when finished: its decode peer still needs the KV
+                req.handoff = Prefilled(token, logprob, top or [], prompt)  # for the decode peer, with the KV
+                self._emit(req, token, logprob, top)
                 self._hold(req)
-            elif req.seq.finished:
-                self._finish(req)
-            elif extend:
-                self.queues.move(req, S.RUNNING)
+            elif extend and req.seq.params.max_new_tokens == 0:
+                self._scored_only(req, prompt)
+            else:
+                self._emit(req, token, logprob, top, prompt)
+                if req.seq.finished:
+                    self._finish(req)
+                elif extend:
+                    self.queues.move(req, S.RUNNING)
 
     def _housekeep(self) -> None:
         self._reap_aborted()
@@ -270,14 +287,23 @@ class Scheduler:
         self.metrics.retractions.inc()
         log.info("retracted %s after %d tokens: L1 is full", req.rid, len(req.seq.output_ids))
 
-    def _emit(self, req: Req, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
+    def _emit(self, req: Req, token: int, logprob: float, top: list[tuple[int, float]] | None = None,
+              prompt: PromptLogprobs | None = None) -> None:
         seq = req.seq
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         check_finish(seq, self.eos_token_ids, self.runner.config.max_context, self.decode_text)
         record_token(self.metrics, req)
         req.stream.queue.put_nowait(TokenEvent([token], [logprob], finish_reason=seq.finish_reason,
-                                               cached_tokens=req.cached_tokens, top_logprobs=[top or []]))
+                                               cached_tokens=req.cached_tokens, top_logprobs=[top or []],
+                                               prompt_logprobs=prompt))
+
+    def _scored_only(self, req: Req, prompt: PromptLogprobs | None) -> None:
+        """``max_new_tokens`` 0: the prompt is scored (its logprobs, when asked for) and nothing is generated."""
+        req.seq.finish_reason = {"type": "length", "length": 0}
+        req.stream.queue.put_nowait(TokenEvent([], [], finish_reason=req.seq.finish_reason,
+                                               cached_tokens=req.cached_tokens, prompt_logprobs=prompt))
+        self._finish(req)
 
     # ---- loading ----------------------------------------------------------------------------------------------
 
@@ -313,15 +339,19 @@ class Scheduler:
         req.take_pages()
         req.transfer, seq.num_computed = None, len(seq.prompt_ids)
         req.cache_computed(self.cache, self.page_size)
-        self._emit(req, *first)
+        first = Prefilled(*first)
+        if seq.params.max_new_tokens == 0:
+            self._scored_only(req, first.prompt)
+            return
+        self._emit(req, first.token, first.logprob, first.top, first.prompt)
         if seq.finished:
             self._finish(req)
         else:
             self.queues.move(req, S.RUNNING)
 
-    def _transfer_result(self, req: Req) -> tuple[int, float] | None:
-        """Prefill's first token and its logprob; None, having failed the request, when the transfer failed or
-        the request was aborted."""
+    def _transfer_result(self, req: Req) -> Prefilled | tuple[int, float] | None:
+        """Prefill's first token and its logprob (and what else it sent); None, having failed the request, when the
+        transfer failed or the request was aborted."""
         task = req.transfer.task
         if task.cancelled():
             self._fail(req, req.aborted or RequestError("KV transfer cancelled", 499, "aborted"))

@@ -42,9 +42,7 @@ def _text_format(v: Any) -> bool:
 GENERATE: dict[str, tuple[Neutral, str]] = {
     "input_embeds": (ABSENT, "input embeddings"), "image_data": (ABSENT, "image inputs (a text-only model)"),
     "audio_data": (ABSENT, "audio inputs (a text-only model)"), "video_data": (ABSENT, "video inputs"),
-    "logprob_start_len": (_among(None, -1), "input logprobs"),
-    "token_ids_logprob": (ABSENT, "logprobs of chosen token ids"),
-    "return_text_in_logprobs": (FALSE, "text in logprobs"), "lora_path": (ABSENT, "LoRA adapters"),
+    "token_ids_logprob": (ABSENT, "logprobs of chosen token ids"), "lora_path": (ABSENT, "LoRA adapters"),
     "custom_logit_processor": (ABSENT, "custom logit processors"), "return_hidden_states": (FALSE, "hidden states"),
 }
 SAMPLING: dict[str, tuple[Neutral, str]] = {

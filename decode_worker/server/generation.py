@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from decode_worker.core.request import GenerateInput, RequestError, RequestStream, TokenEvent
+from decode_worker.core.request import GenerateInput, PromptLogprobs, RequestError, RequestStream, TokenEvent
 from decode_worker.core.sequence import trim_stop_string
 from decode_worker.engine.engine import Engine
 from decode_worker.server.detokenize import IncrementalText
@@ -28,6 +28,7 @@ class Collected:
         self.stream_text = IncrementalText(decode)
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per token, when the request asked for them
+        self.prompt_logprobs: PromptLogprobs | None = None  # when the request scores its prompt
         self.finish_reason: dict | None = None
         self.cached: dict[str, int] = {}
         self.started = time.monotonic()
@@ -39,6 +40,7 @@ class Collected:
         self.stream_text.add(event.token_ids)
         self.logprobs += event.logprobs
         self.top_logprobs += event.top_logprobs
+        self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
         self.cached = event.cached_tokens or self.cached
         self.e2e_latency = time.monotonic() - self.started
@@ -63,8 +65,6 @@ def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
     """Check every prompt before any runs: a body with one prompt that cannot be served is refused whole, with
     its HTTP status, before a stream has sent a status line."""
     for inp in inputs:
-        if inp.bootstrap is not None and inp.params.top_logprobs:
-            raise RequestError("top logprobs cannot go through a PD pair: prefill's first token carries none")
         engine.check_request(inp)
 
 

@@ -90,8 +90,6 @@ def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
     with its own id and, when seeded, its own seed: the samples differ, and a repeat gives the same ones."""
     if n == 1:
         return [inp]
-    if inp.bootstrap is not None:
-        raise RequestError("n > 1 cannot go through a PD pair (one bootstrap room per request): send n requests")
     seed = inp.params.seed
     seeds = [None if seed is None else (seed + j) % 2**64 for j in range(n)]
     return [replace(inp, rid=f"{inp.rid}-{j}", params=replace(inp.params, seed=s)) for j, s in enumerate(seeds)]

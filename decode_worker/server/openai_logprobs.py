@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from decode_worker.core.request import PromptLogprobs
+
 TokenText = Callable[[int], str]
 
 
@@ -18,6 +20,15 @@ def completion_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float
         at += len(token)
     alternatives = [{text_of(t): lp for t, lp in row} for row in top] if k else None
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": alternatives, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(text_of: TokenText, prompt_ids: list[int], scored: PromptLogprobs, k: int) -> dict:
+    """The echoed prompt's part of a completion's logprobs, from its first scored token, offsets from 0; the
+    prompt's first token has null for its logprob and alternatives (nothing precedes it), as OpenAI's had."""
+    out = completion_logprobs(text_of, prompt_ids[scored.start:], scored.logprobs, scored.top, k)
+    if k:
+        out["top_logprobs"] = [row if lp is not None else None for row, lp in zip(out["top_logprobs"], scored.logprobs)]
+    return out
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float],

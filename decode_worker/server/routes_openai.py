@@ -14,18 +14,21 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
+from decode_worker.server.choices import bootstrap_per_choice, choice_inputs
 from decode_worker.server.dependencies import EngineDep
 from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave
-from decode_worker.server.inputs import BOOTSTRAP, bootstrap, fan_out, per_prompt, stop_list
-from decode_worker.server.openai_logprobs import chat_logprobs, completion_logprobs
+from decode_worker.server.inputs import bootstrap, stop_list
+from decode_worker.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_completion_logprobs
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    ErrorResponse,
+    ModelCard,
     ModelList,
     auth_statuses,
     errors,
@@ -50,6 +53,11 @@ def router(cfg: ServerConfig) -> APIRouter:
                                     **generation_errors(cfg)})
     routes.add_api_route("/v1/models", models, methods=["GET"], response_model=None,
                          responses={200: {"model": ModelList}, **errors(*auth_statuses(cfg), 503)})
+    routes.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"], response_model=None,
+                         openapi_extra={"parameters": [{"name": "model_id", "in": "path", "required": True,
+                                                        "schema": {"type": "string"}}]},
+                         responses={200: {"model": ModelCard}, **errors(*auth_statuses(cfg), 503),
+                                    404: {"model": ErrorResponse, "description": "no model by that id here"}})
     return routes
 
 
@@ -64,7 +72,8 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
     results = await collect(engine, request, inputs)
     echo = _echoes(body, inputs, engine)
     choices = [{"index": i, "text": echo[i] + c.text(), "finish_reason": _finish(c),
-                "logprobs": _completion_lp(engine, body, c.ids, c.logprobs, c.top_logprobs, len(echo[i]))}
+                "logprobs": _joined(_echo_lp(engine, body, inputs[i], c),
+                                    _completion_lp(engine, body, c.ids, c.logprobs, c.top_logprobs, len(echo[i])))}
                for i, c in enumerate(results)]
     return {**_envelope(inputs[0].rid, "text_completion", created, model, choices),
             "usage": _usage(results, body.n)}
@@ -73,15 +82,16 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
 def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[GenerateInput]:
     """``n`` inputs per prompt, prompt after prompt."""
     prompts = _prompts(body)
-    per_prompt(body, BOOTSTRAP, len(prompts))
-    if body.echo and body.logprobs is not None:
-        raise RequestError("echo with logprobs needs the prompt's logprobs, which this worker does not compute")
+    per_choice = bootstrap_per_choice(body, len(prompts), len(prompts) * body.n)
     params = _sampling(body, body.max_tokens, body.logprobs or 0)
+    scored = 0 if body.echo and body.logprobs is not None else None  # echo with logprobs: the prompt's too
     inputs = []
     for i, p in enumerate(prompts):
         prompt = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
         rid = (body.rid or "cmpl-" + uuid.uuid4().hex) + (f"-{i}" if len(prompts) > 1 else "")
-        inputs += fan_out(GenerateInput(rid, prompt, params, False, bootstrap(body, i, engine.config)), body.n)
+        boot = None if per_choice else bootstrap(body, i, engine.config)
+        inp = GenerateInput(rid, prompt, params, False, boot, scored)
+        inputs += choice_inputs(inp, body.n, body, i * body.n if per_choice else None, engine.config)
     return inputs
 
 
@@ -90,13 +100,20 @@ async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: 
     """All choices stream at once, each chunk naming its choice's index; with ``include_usage`` a last chunk
     carries the usage."""
     sent, last = [""] * len(inputs), [None] * len(inputs)
-    for index, echo in enumerate(_echoes(body, inputs, engine)):
-        if echo:
+    echoes = _echoes(body, inputs, engine)
+    scored = body.echo and body.logprobs is not None  # the echo goes out with the prompt's logprobs, once scored
+    for index, echo in enumerate(echoes):
+        if echo and not scored:
             choice = {"index": index, "text": echo, "finish_reason": None, "logprobs": None}
             yield _envelope(inputs[index].rid, "text_completion", created, model, [choice])
     async for index, c, event in interleave(engine, inputs):
+        if scored and event.prompt_logprobs is not None:
+            choice = {"index": index, "text": echoes[index], "finish_reason": None,
+                      "logprobs": _echo_lp(engine, body, inputs[index], c)}
+            yield _envelope(inputs[index].rid, "text_completion", created, model, [choice])
         delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
-        lp = _completion_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs, len(sent[index]))
+        lp = _completion_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs,
+                            len(echoes[index]) + len(sent[index]))
         sent[index] += delta
         last[index] = c
         choice = {"index": index, "text": delta, "finish_reason": _finish(c) if event.finish_reason else None,
@@ -109,7 +126,9 @@ async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: 
 async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     body = await parse_body(request, ChatCompletionRequest)
     engine.require_ready()
-    inputs = fan_out(_chat_input(body, engine), body.n)
+    per_choice = bootstrap_per_choice(body, 1, body.n)
+    inputs = choice_inputs(_chat_input(body, engine, per_choice), body.n, body, 0 if per_choice else None,
+                           engine.config)
     admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
@@ -120,8 +139,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     return {**_envelope(inputs[0].rid, "chat.completion", created, model, choices), "usage": _usage(results, body.n)}
 
 
-def _chat_input(body: ChatCompletionRequest, engine: Engine) -> GenerateInput:
-    per_prompt(body, BOOTSTRAP, 1)
+def _chat_input(body: ChatCompletionRequest, engine: Engine, per_choice: bool) -> GenerateInput:
     messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
     try:
         prompt = engine.tokenizer.apply_chat_template(messages)
@@ -132,7 +150,7 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine) -> GenerateInput:
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true")
     params = _sampling(body, max_tokens, body.top_logprobs or 0)
-    return GenerateInput(rid, prompt, params, False, bootstrap(body, 0, engine.config))
+    return GenerateInput(rid, prompt, params, False, None if per_choice else bootstrap(body, 0, engine.config))
 
 
 def _message_text(content: str | list[ContentPart] | None) -> str | None:
@@ -172,10 +190,23 @@ async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCo
 
 
 async def models(engine: EngineDep) -> dict:
+    return {"object": "list", "data": [_card(engine)]}
+
+
+async def model(request: Request, engine: EngineDep) -> dict:
+    """OpenAI's model retrieval: the one model this worker serves, by its id (any string: no 422 to declare)."""
+    model_id = request.path_params["model_id"]
+    card = _card(engine)
+    if model_id != card["id"]:
+        raise RequestError(f"model {model_id!r} is not served here; this worker serves {card['id']!r}", 404,
+                           "not_found_error")
+    return card
+
+
+def _card(engine: Engine) -> dict:
     engine.require_ready()
-    card = {"id": engine.model_name, "object": "model", "created": engine.started_at, "owned_by": "decode-worker",
+    return {"id": engine.model_name, "object": "model", "created": engine.started_at, "owned_by": "decode-worker",
             "max_model_len": engine.model_config.max_context}
-    return {"object": "list", "data": [card]}
 
 
 def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> SamplingParams:
@@ -205,6 +236,20 @@ def _completion_lp(engine: Engine, body: CompletionRequest, ids: list[int], logp
     if body.logprobs is None:
         return None
     return completion_logprobs(_token_text(engine), ids, logprobs, top, body.logprobs, offset)
+
+
+def _echo_lp(engine: Engine, body: CompletionRequest, inp: GenerateInput, c: Collected) -> dict | None:
+    """The echoed prompt's logprobs (the first token's null: nothing precedes it), when echo asks for logprobs."""
+    if c.prompt_logprobs is None or body.logprobs is None:
+        return None
+    return prompt_completion_logprobs(_token_text(engine), inp.prompt_ids, c.prompt_logprobs, body.logprobs)
+
+
+def _joined(head: dict | None, tail: dict | None) -> dict | None:
+    """Two completion logprobs objects as one (the echoed prompt's, then the output's), each list after the other."""
+    if head is None or tail is None:
+        return head or tail
+    return {key: head[key] + tail[key] if head[key] is not None else None for key in head}
 
 
 def _chat_lp(engine: Engine, body: ChatCompletionRequest, ids: list[int], logprobs: list[float],

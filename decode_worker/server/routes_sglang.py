@@ -3,7 +3,7 @@ chunks that each carry the output so far."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -12,11 +12,13 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
+from decode_worker.server.choices import bootstrap_per_choice, choice_inputs
 from decode_worker.server.dependencies import EngineDep
 from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import GENERATE_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave, stream_events
-from decode_worker.server.inputs import BOOTSTRAP, bootstrap, encode, fan_out, per_prompt, pick, stop_list
+from decode_worker.server.inputs import bootstrap, encode, per_prompt, pick, stop_list
+from decode_worker.server.logprob_fields import prompt_logprob_start
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
@@ -41,10 +43,11 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
     inputs = _inputs(body, batched, engine)
     batched = batched or len(inputs) > 1  # n > 1 answers a list, as SGLang does
     admit(engine, inputs)
+    text_of = _token_text(engine) if body.return_text_in_logprobs else None
     if body.stream:
-        return sse_response(_chunks(engine, inputs, batched))
+        return sse_response(_chunks(engine, inputs, batched, body.return_text_in_logprobs))
     results = await collect(engine, request, inputs)
-    out = [_answer(c, inp) for c, inp in zip(results, inputs)]
+    out = [_answer(c, inp, text_of) for c, inp in zip(results, inputs)]
     return out if batched else out[0]
 
 
@@ -53,16 +56,21 @@ def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[Genera
     texts = body.text if isinstance(body.text, list) else [body.text]
     ids = body.input_ids if batched and body.input_ids else [body.input_ids]
     n = len(texts) if body.text is not None else len(ids)
-    per_prompt(body, BOOTSTRAP + ("sampling_params", "rid", "return_logprob", "top_logprobs_num"), n)
+    per_prompt(body, ("sampling_params", "rid", "return_logprob", "top_logprobs_num", "logprob_start_len"), n)
+    samples = [pick(body.sampling_params, i) or SGLangSamplingParams() for i in range(n)]
+    per_choice = bootstrap_per_choice(body, n, sum(sp.n for sp in samples))
     inputs = []
-    for i in range(n):
-        sp = pick(body.sampling_params, i) or SGLangSamplingParams()
+    for i, sp in enumerate(samples):
         rid = pick(body.rid, i) or uuid.uuid4().hex
         prompt = encode(engine.tokenizer, texts[i] if body.text is not None else None,
                         ids[i] if body.text is None else None)
         logprob = bool(pick(body.return_logprob, i))
         params = _sampling(sp, pick(body.top_logprobs_num, i) if logprob else 0)
-        inputs += fan_out(GenerateInput(rid, prompt, params, logprob, bootstrap(body, i, engine.config)), sp.n)
+        start = prompt_logprob_start(pick(body.logprob_start_len, i), len(prompt), "logprob_start_len") \
+            if logprob else None
+        boot = None if per_choice else bootstrap(body, i, engine.config)
+        inp = GenerateInput(rid, prompt, params, logprob, boot, start)
+        inputs += choice_inputs(inp, sp.n, body, len(inputs) if per_choice else None, engine.config)
     return inputs
 
 
@@ -75,21 +83,32 @@ def _sampling(p: SGLangSamplingParams, top_logprobs: int) -> SamplingParams:
                           top_logprobs=top_logprobs, skip_special_tokens=p.skip_special_tokens)
 
 
-async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool) -> AsyncIterator[dict]:
+async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool,
+                  text_in_logprobs: bool) -> AsyncIterator[dict]:
     """A batch streams all its prompts at once, each chunk naming its prompt's index."""
+    text_of = _token_text(engine) if text_in_logprobs else None
     if not batched:
         async for c, _ in stream_events(engine, inputs[0]):
-            yield _answer(c, inputs[0])
+            yield _answer(c, inputs[0], text_of)
         return
     async for index, c, _ in interleave(engine, inputs):
-        yield {**_answer(c, inputs[index]), "index": index}
+        yield {**_answer(c, inputs[index], text_of), "index": index}
 
 
-def _answer(c: Collected, inp: GenerateInput) -> dict:
-    return {"text": c.text(), "output_ids": c.ids, "meta_info": _meta_info(c, inp)}
+def _token_text(engine: Engine) -> Callable[[int], str]:
+    return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _meta_info(c: Collected, inp: GenerateInput) -> dict:
+def _answer(c: Collected, inp: GenerateInput, text_of: Callable[[int], str] | None) -> dict:
+    return {"text": c.text(), "output_ids": c.ids, "meta_info": _meta_info(c, inp, text_of)}
+
+
+def _entry(logprob: float | None, token: int, text_of: Callable[[int], str] | None) -> list:
+    """SGLang's logprob entry: [logprob, token id, its text with return_text_in_logprobs else null]."""
+    return [logprob, token, text_of(token) if text_of else None]
+
+
+def _meta_info(c: Collected, inp: GenerateInput, text_of: Callable[[int], str] | None = None) -> dict:
     meta = {
         "id": c.rid,
         "finish_reason": c.finish_reason,
@@ -100,7 +119,13 @@ def _meta_info(c: Collected, inp: GenerateInput) -> dict:
         "e2e_latency": round(c.e2e_latency, 6),
     }
     if inp.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.ids)]
+        meta["output_token_logprobs"] = [_entry(lp, t, text_of) for lp, t in zip(c.logprobs, c.ids)]
     if inp.params.top_logprobs:
-        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in c.top_logprobs]
+        meta["output_top_logprobs"] = [[_entry(lp, t, text_of) for t, lp in top] for top in c.top_logprobs]
+    if (scored := c.prompt_logprobs) is not None:
+        tokens = inp.prompt_ids[scored.start:]
+        meta["input_token_logprobs"] = [_entry(lp, t, text_of) for lp, t in zip(scored.logprobs, tokens)]
+        if inp.params.top_logprobs:  # the prompt's first token has nothing before it: null, as SGLang has it
+            meta["input_top_logprobs"] = [[_entry(lp, t, text_of) for t, lp in top] if lp is not None else None
+                                          for top, lp in zip(scored.top, scored.logprobs)]
     return meta

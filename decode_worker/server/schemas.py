@@ -38,6 +38,8 @@ Temperature = Annotated[float, Field(ge=0)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1)]
+ScoredTokens = Annotated[int, Field(ge=0)]  # 0 scores the prompt (its logprobs) and generates nothing
+LogprobStart = Annotated[int, Field(ge=-1)]  # -1: output logprobs only, as SGLang's default
 SamplesPerPrompt = Annotated[int, Field(ge=1, le=64)]  # each sample is a request of its own
 Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence, as OpenAI bounds them
 RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
@@ -64,7 +66,7 @@ class BootstrapFields(_Lenient):
 
 
 class SGLangSamplingParams(_Lenient):
-    max_new_tokens: MaxTokens = 128
+    max_new_tokens: ScoredTokens = 128
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
@@ -89,7 +91,9 @@ class GenerateRequest(BootstrapFields):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0  # alternatives per output token, with return_logprob
+    top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0  # alternatives per token, with return_logprob
+    logprob_start_len: LogprobStart | list[LogprobStart] = -1  # prompt logprobs from this position, with return_logprob
+    return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text instead of null
 
 
 class StreamOptions(_Lenient):
@@ -117,7 +121,7 @@ class OpenAISampling(BootstrapFields):
 
 class CompletionRequest(OpenAISampling):
     prompt: Text | Texts | TokenIds | TokenIdBatch
-    max_tokens: MaxTokens = 16
+    max_tokens: ScoredTokens = 16
     logprobs: TopLogprobs | None = None  # chosen-token logprobs, and this many alternatives per token
     echo: bool = False
 

@@ -182,7 +182,6 @@ def test_documented_fields_not_honoured_are_refused_by_name_and_neutral_values_p
     """A caller who asked for constrained JSON, penalties or tools hears so; nothing is dropped with a 200."""
     refused = [
         ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-        ("/generate", {"text": "hi", "logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "response_format": {"type": "json_object"}}, "response_format"),
@@ -367,6 +366,6 @@ def test_openai_logprobs_and_echo_through_the_official_client(server):
                                                    max_tokens=4, temperature=0, logprobs=True, stream=True))
     tokens = [c.token for p in streamed if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
     assert tokens == [c.token for c in content]
-    r = post(server, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
+    r = post(server, "/generate", {"text": "Hi", "return_logprob": True, "logprob_start_len": 5})
+    assert r.status_code == 400 and "logprob_start_len must be" in r.json()["error"]["message"]
     wait_pages_free(server)

@@ -35,7 +35,7 @@ def test_seed_makes_sampling_reproducible():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0),
+    "field,value", [("max_new_tokens", -1), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0),
                     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0.0),
                     ("min_new_tokens", 500), ("top_logprobs", 21)]
 )

@@ -1,0 +1,87 @@
+"""Prompt logprobs: scoring a prompt's own tokens in the extend that computes it.
+
+The logits at position ``p`` give the log-probability of token ``p + 1``, so scoring the prompt from ``start``
+needs the logits of positions ``max(start, 1) - 1`` up to the last one, which the extend must compute itself: a
+request that scores its prompt matches the cache only up to that position (``computed_before``), and the extend
+returns those rows besides every other request's last one. The prompt's first token has no logprob (nothing
+precedes it): it is reported as None, never made up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decode_worker.core.request import PromptLogprobs
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.model.forward_batch import ForwardBatch, int_tensor
+from decode_worker.model.runner import ModelRunner
+from decode_worker.model.sampler import SampleResult, Shaping, sample, score
+from decode_worker.scheduler.req import Req
+
+
+def computed_before(req: Req) -> int | None:
+    """The last prompt position whose KV may come from the cache when ``req`` scores its prompt (the first whose
+    logits it needs); None when it does not score it, or already did (a resumed request has output)."""
+    start = req.inp.logprob_start
+    if start is None or req.seq.output_ids:
+        return None
+    return max(min(start, len(req.seq.prompt_ids) - 1), 1) - 1
+
+
+@dataclass
+class _Scored:
+    index: int  # the request's place in the batch
+    start: int  # first prompt position reported
+    first_row: int  # its first scoring row in the step's logits
+    targets: list[int]  # the prompt tokens scored: positions max(start, 1) .. end
+    top: int
+
+
+@dataclass
+class ScoredExtend:
+    """An extend step that also scores prompts: the rows its logits keep, and where each request's are."""
+
+    sample_rows: list[int]  # per request, the logits row of its last token
+    scored: list[_Scored]
+
+    def forward_sample(self, runner: ModelRunner, fb: ForwardBatch, params: list[SamplingParams],
+                       generators: list[torch.Generator | None], shaping: list[Shaping | None]) -> SampleResult:
+        """Forward once, sample from each request's last row, score the prompts from their rows."""
+        logits = runner.forward(fb)
+        result = sample(logits[self.sample_rows], params, generators, shaping)
+        result.prompt = [None] * len(params)
+        for s in self.scored:
+            chosen, top = score(logits[s.first_row: s.first_row + len(s.targets)], s.targets, s.top)
+            if s.start == 0:
+                chosen, top = [None, *chosen], [[], *top]
+            result.prompt[s.index] = PromptLogprobs(s.start, chosen, top)
+        return result
+
+
+def plan_scoring(reqs: list[Req], fb: ForwardBatch) -> ScoredExtend | None:
+    """Point ``fb``'s logits at the rows the scoring requests need (and everyone's last token); None, leaving
+    ``fb`` as it is, when no request in the batch scores its prompt."""
+    rows: list[int] = []
+    sample_rows: list[int] = []
+    scored: list[_Scored] = []
+    offset = 0
+    for i, req in enumerate(reqs):
+        seq = req.seq
+        new = seq.num_tokens - seq.num_computed
+        first = computed_before(req)
+        if first is not None:
+            if first < seq.num_computed:
+                raise RuntimeError(f"request {req.rid}: prompt position {first} is needed for its logprobs but its "
+                                   f"KV came from the cache ({seq.num_computed} tokens)")
+            start = min(req.inp.logprob_start, len(seq.prompt_ids) - 1)
+            targets = seq.prompt_ids[max(start, 1):]
+            scored.append(_Scored(i, start, len(rows), targets, seq.params.top_logprobs))
+            rows += range(offset + first - seq.num_computed, offset + new - 1)
+        sample_rows.append(len(rows))
+        rows.append(offset + new - 1)
+        offset += new
+    if not scored:
+        return None
+    fb.logits_indices = int_tensor(rows).to(fb.input_ids.device)
+    return ScoredExtend(sample_rows, scored)
