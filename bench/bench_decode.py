@@ -17,7 +17,7 @@ import torch
 
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
-from decode_worker.model.cpu_features import auto_dtype
+from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.model.embedded import ensure_default_model
 
 PROMPTS = [

@@ -122,7 +122,7 @@ class ServerConfig(BaseSettings):
             return value
         import torch  # only here: the config module stays light for `--help`
 
-        from decode_worker.model.cpu_features import auto_dtype
+        from decode_worker.core.cpu_features import auto_dtype
 
         dtype, why = auto_dtype(torch.cuda.is_available())
         logging.getLogger(__name__).info("--dtype auto: %s (%s)", dtype, why)

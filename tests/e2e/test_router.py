@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decode_worker.engine.llm import LLM
-from decode_worker.model.cpu_features import auto_dtype
+from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.core.sampling import SamplingParams
 from tests.servers import start_router, start_worker, wait_pages_free
 

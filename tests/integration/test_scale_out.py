@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from decode_worker.model.cpu_features import auto_dtype
+from decode_worker.core.cpu_features import auto_dtype
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
 from tests.servers import Proc, free_port, start, start_worker, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from decode_worker.model.cpu_features import auto_dtype
+from decode_worker.core.cpu_features import auto_dtype
 from tests.servers import start_worker, wait_pages_free
 
 LONG = "The history of the Roman Empire is long and complicated, full of emperors and wars. " * 8

@@ -10,7 +10,7 @@ import torch
 
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
-from decode_worker.model.cpu_features import auto_dtype
+from decode_worker.core.cpu_features import auto_dtype
 from tests.unit.test_smollm2 import PROMPTS
 
 NEW_TOKENS = 16

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decode_worker.config import ServerConfig
-from decode_worker.model import cpu_features
+from decode_worker.core import cpu_features
 
 CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\nprocessor\t: 1\nflags\t\t: fpu sse2\n"
 
