@@ -8,7 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from decode_worker.bench.command import add_bench_args, run_bench
+from decode_worker.bench.args import add_bench_args
+from decode_worker.bench.command import run_bench
 from decode_worker.config import ConfigError, add_config_args, config_from_args, config_from_env, package_version
 from decode_worker.launch import add_up_args, check_up_args, run_up
 from decode_worker.model.config import ModelLoadError
