@@ -23,15 +23,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +39,7 @@ from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa:
 
 from decode_worker.core.shared_memory import MappedRegion, SharedFile, boot_id  # noqa: E402
 
+from .deadline import DeadlineJob, T, run_to_the_end  # noqa: E402
 from .descriptors import PoolDescriptor  # noqa: E402
 from .pool_share import ask_for_pool, serve_pool, settled  # noqa: E402
 
@@ -250,9 +248,9 @@ class KVAgent:
         """``work(*args)`` (a copy or a post) on the loop when ``inline``, else on the copy thread; its result only
         if it started and ended before ``deadline``. A job still queued at the deadline is dropped, so it never
         writes; one already running is waited for (it copies at memory speed) before the read fails."""
-        job = _Job(deadline)
+        job = DeadlineJob(deadline)
         if inline:
-            return job.result(room, job.run(work, *args))
+            return self._checked(room, job, job.run(work, *args))
         future = asyncio.get_running_loop().run_in_executor(self._copier, job.run, work, *args)
         cancelled = False
         try:
@@ -270,7 +268,13 @@ class KVAgent:
             raise TransferError(room, "unstoppable", "the copy thread did not end the read") from None
         if cancelled:
             raise asyncio.CancelledError
-        return job.result(room, result)
+        return self._checked(room, job, result)
+
+    @staticmethod
+    def _checked(room: int, job: DeadlineJob, result: T) -> T:
+        if why := job.missed():
+            raise TransferError(room, "timeout", why)
+        return result
 
     def notify(self, peer: str, message: bytes) -> bool:
         """A notification outside a transfer; False when the peer is gone."""
@@ -336,66 +340,3 @@ class KVAgent:
                 state = self._state(handle)
         logger.error("KV read of room %d could not be stopped (%s)", room, state)
         return False
-
-
-async def run_to_the_end(work: asyncio.Future, limit_s: float | None = None):
-    """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it). With
-    ``limit_s``, raise ``TimeoutError`` if it has not ended after that long, cancelled or not: it goes on, and
-    the caller must treat what it writes as never ending."""
-    cancelled = False
-    give_up = None if limit_s is None else time.monotonic() + limit_s
-    while not work.done():
-        try:
-            left = None if give_up is None else give_up - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(asyncio.shield(work), left)
-        except asyncio.CancelledError:
-            cancelled = True
-        except TimeoutError:
-            pass
-    if cancelled:
-        raise asyncio.CancelledError
-    return work.result()
-
-
-T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class _Job:
-    """One copy or post that must start and end before ``deadline`` (``time.monotonic()``). The copy thread
-    starts it only if the loop has not dropped it and the deadline has not passed, and stamps ``ended`` after its
-    last byte, so a result whose stamp is within the deadline proves the bytes were copied while the peer held
-    them."""
-
-    deadline: float
-    started: bool = False
-    dropped: bool = False
-    ended: float = math.inf
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def run(self, work: Callable[..., T], *args) -> T | None:
-        with self._lock:
-            if self.dropped or time.monotonic() >= self.deadline:
-                self.dropped = True
-                return None
-            self.started = True
-        try:
-            return work(*args)
-        finally:
-            self.ended = time.monotonic()
-
-    def drop(self) -> bool:
-        """Keep a job that has not started from ever starting; True when it never will."""
-        with self._lock:
-            if not self.started:
-                self.dropped = True
-            return self.dropped
-
-    def result(self, room: int, result: T | None) -> T:
-        if self.dropped:
-            raise TransferError(room, "timeout", "the read was due to start after its deadline")
-        if self.ended > self.deadline:
-            raise TransferError(room, "timeout", "the copy ended after its deadline: its bytes are not used")
-        return result

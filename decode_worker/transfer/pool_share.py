@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from decode_worker.core.shared_memory import (
@@ -245,18 +245,18 @@ def ask_for_pool(region: SharedRegion, num_pages: int, page_bytes: int,
 
 async def _ask(loop: asyncio.AbstractEventLoop, region: SharedRegion, num_pages: int, page_bytes: int,
                done: Callable[[MappedRegion | None, str], None]) -> None:
-    work = loop.run_in_executor(_ASKER, receive_pool, region, num_pages, page_bytes, MAP_TIMEOUT_S)
+    asked = _ASKER.submit(receive_pool, region, num_pages, page_bytes, MAP_TIMEOUT_S)
     try:
-        mapped, why = await asyncio.shield(work)
-    except asyncio.CancelledError:  # the loop is closing: the mapping, when it comes, is nobody's
-        work.add_done_callback(_close_unclaimed)
+        mapped, why = await asyncio.shield(asyncio.wrap_future(asked, loop=loop))
+    except asyncio.CancelledError:  # the loop is closing: the mapping, when it comes, is nobody's (the callback
+        asked.add_done_callback(_close_unclaimed)  # runs on the asking thread: the loop may be closed by then)
         raise
     except Exception as e:  # a bug, not the peer's doing: it is still read over NIXL, and the log says why
         mapped, why = None, f"asking for it failed: {e!r}"
     done(mapped, why)
 
 
-def _close_unclaimed(work: asyncio.Future) -> None:
+def _close_unclaimed(work: Future) -> None:
     if not work.cancelled() and work.exception() is None and work.result()[0] is not None:
         work.result()[0].close()
 

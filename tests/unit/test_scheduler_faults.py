@@ -23,7 +23,7 @@ from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.admission import PEER_LOOKAHEAD
 from decode_worker.scheduler.scheduler import Scheduler
-from decode_worker.transfer.agent import run_to_the_end
+from decode_worker.transfer.deadline import run_to_the_end
 from tests.unit.test_scheduler import GREEDY, PeerKV, collect, make_scheduler, run_all, settle
 
 
