@@ -10,6 +10,9 @@ progress never stall behind a step, and the loop never touches a step's device t
 Where things live: the lifecycle states (``core/lifecycle.py``) and their queues (``queues.py``), admission
 (``admission.py``), a request's pages and what it waits for (``req.py``), and what the role changes: received
 prompts on a decode worker, KV held for the decode peer on a prefill worker (``roles.py``).
+
+Long because the loading section (received prompts, prompt scoring, failed load-backs) still lives here: it moves
+out with the request record it mostly reads (``req.py``) in the shape work that follows.
 """
 from __future__ import annotations
 
