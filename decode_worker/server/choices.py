@@ -27,8 +27,10 @@ def bootstrap_per_choice(body: BaseModel, prompts: int, total: int) -> bool:
     when one per prompt (or one for all); anything else is refused, naming the field."""
     lists = {name: len(v) for name in BOOTSTRAP if isinstance(v := getattr(body, name), list)}
     lengths = set(lists.values())
-    if len(lengths) > 1:
-        raise RequestError(f"{', '.join(BOOTSTRAP)} must have as many entries each, not {sorted(lengths)}")
+    if len(lengths) > 1:  # name the field that disagrees with the prompts (or, failing that, with the others)
+        name, length = min(lists.items(), key=lambda item: (item[1] in (prompts, total), item[0]))
+        raise RequestError(f"{name} has {length} entries for {prompts} prompts; {', '.join(BOOTSTRAP)} must have as "
+                           "many entries each")
     if not lengths or lengths == {prompts}:
         return False
     if lengths == {total}:
