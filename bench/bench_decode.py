@@ -4,7 +4,7 @@ transformers on SmolLM2, same prompts, one run, for the default CPU dtype (``--d
 Prints one JSON line: per dtype, decode tokens/s of both and their ratio per batch size (greedy, ``generate``),
 and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first token; transformers: one
 forward). Medians of ``--repeats`` alternating runs.
-Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
+Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto bfloat16]
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"], choices=["auto", "float32", "bfloat16"],
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "bfloat16"], choices=["auto", "float32", "bfloat16"],
                     help="auto: what --dtype auto picks on this machine")
     args = ap.parse_args()
     path = ensure_default_model()

@@ -15,11 +15,13 @@ def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
-    """(dtype, why): bfloat16 on CUDA or on a CPU with native bf16 (twice the decode speed of float32 there, half
-    the KV bytes), float32 on other CPUs, where bf16 is emulated and slower."""
+    """(dtype, why): bfloat16 on CUDA, float32 on CPU. A CPU with native bf16 decodes faster in bfloat16 (int4
+    layers included), but there our bfloat16 path still answers the embedded model's chat prompts differently from
+    transformers' own bfloat16 (a derailed answer to "What is the capital of France?"), so it is opt-in
+    (``--dtype bfloat16``) until it agrees."""
     if cuda:
         return "bfloat16", "CUDA"
     flags = native_bf16_flags(cpuinfo)
     if flags:
-        return "bfloat16", f"CPU with native bf16 ({', '.join(flags)})"
+        return "float32", f"CPU; its native bf16 ({', '.join(flags)}) is opt-in with --dtype bfloat16"
     return "float32", "CPU without native bf16 (no avx512_bf16 or amx_bf16)"
