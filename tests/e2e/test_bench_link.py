@@ -19,7 +19,8 @@ SHAPE = "2x4"
 PROBLEM = namespace_problem()
 
 # ~30 s on 2 cores: two deployments of a small random model, in the default run as the only proof of the link
-pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"no shaped link here: {PROBLEM}")
+pytestmark = [pytest.mark.skipif(PROBLEM is not None, reason=f"no shaped link here: {PROBLEM}"),
+              pytest.mark.slow]  # a benchmark run (~30 s); tests/unit/test_bench_link_parts.py checks its parts
 
 
 def _wide_kv_model(path: Path) -> Path:

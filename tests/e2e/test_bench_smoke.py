@@ -15,6 +15,8 @@ MODES = ["off", "hier"]
 SHAPE, CHAT = "2x4", "2x2"
 
 
+pytestmark = pytest.mark.slow  # a benchmark run (~15 s); the bench's own parts have unit tests
+
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("bench")

@@ -22,7 +22,7 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
-@pytest.mark.parametrize("key", ["", "up-key-0123"], ids=["open", "api-key"])
+@pytest.mark.parametrize("key", [pytest.param("", marks=pytest.mark.slow), "up-key-0123"], ids=["open", "api-key"])
 def test_up(tmp_path, tiny_chat_model, key):
     router, prefill, decode = (free_port() for _ in range(3))
     cmd = [sys.executable, "-m", "decode_worker.cli", "up", "--model-path", str(tiny_chat_model),

@@ -525,6 +525,7 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
 
 
 @needs_redis
+@pytest.mark.slow  # ~4 min of nine workers: test_late_reads_never_serve_reused_pages keeps the wrong-KV check in the default run
 @pytest.mark.timeout(1200)
 def test_fault_schedule(tmp_path, smollm2_path):
     with cluster(tmp_path, SEED) as c:

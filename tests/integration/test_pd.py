@@ -80,6 +80,7 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
     assert "its KV pages are copied from its shared pool" in decode.log.read_text()  # same host: the mapped path
 
 
+@pytest.mark.slow  # starts workers of its own (~12-16 s)
 def test_pd_over_nixl_when_mapping_is_off(logs, prefill, colocated):
     """The path between hosts, taken here by turning the same-host mapping off: same output, delta only."""
     decode = start_worker("decode-nixl", logs, "decode", "--disaggregation-decode-enable-radix-cache",
@@ -119,6 +120,7 @@ def assert_fails_cleanly(resp, decode, prefill, started: float, limit_s: float, 
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 12
 
 
+@pytest.mark.slow  # starts workers of its own (~12-16 s)
 def test_wrong_token(logs, prefill, decode):
     other = start_worker("prefill-badtoken", logs, "prefill", env={"DECODE_WORKER_PD_TOKEN": "wrong"})
     try:
@@ -196,6 +198,7 @@ def test_prefill_killed_mid_request(logs, prefill, decode):
     assert_fails_cleanly(result["d"], decode, prefill, t, 15, "prefill")
 
 
+@pytest.mark.slow  # starts workers of its own (~12-16 s)
 def test_decode_giving_up_before_the_answer_frees_prefill_at_once(logs, decode):
     """A decode request whose client leaves while its handshake waits for prefill closes the handshake; prefill
     then frees the room's KV as soon as it holds it, not when its 60 s lease ends."""

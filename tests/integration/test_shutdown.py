@@ -43,6 +43,7 @@ def test_sigterm_drains_a_running_stream(tmp_path, smollm2_path):
         proc.stop()
 
 
+@pytest.mark.slow  # ~20 s; test_up_stops_everything_it_started stops a whole PD deployment in the default run
 def test_sigterm_stops_a_pd_pair_cleanly(tmp_path, smollm2_path):
     """Both halves of PD stop on SIGTERM after a hand-off: prefill got the release (nothing left to wait for) and
     each closes its NIXL agent without hanging."""
@@ -135,7 +136,8 @@ def _assert_all_gone(kids: list[int], ports: list[int], within_s: float) -> None
     assert all(map(_port_free, ports)), "ports still held"
 
 
-@pytest.mark.parametrize("how", ["sigint-to-up", "sigterm-to-group", "sigkill-up", "second-signal"])
+@pytest.mark.parametrize("how", [pytest.param("sigint-to-up", marks=pytest.mark.slow), "sigterm-to-group",
+                                 pytest.param("sigkill-up", marks=pytest.mark.slow), "second-signal"])
 def test_up_stops_everything_it_started(tmp_path, tiny_chat_model, how):
     popen, up_pid, kids, ports = _start_up(tmp_path, tiny_chat_model, under_shell=how == "sigterm-to-group")
     try:

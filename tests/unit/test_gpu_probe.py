@@ -47,6 +47,9 @@ def run_probe(*args: str, env: dict[str, str] | None = None, timeout: int = 600)
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+BARE_RUN_IS_SLOW = pytest.mark.slow  # every section tiny on a simulated bare machine (~30 s)
+
+
 @pytest.fixture(scope="module")
 def bare_run(tmp_path_factory) -> dict[str, dict]:
     """Every section, tiny, on a simulated bare machine; lines by section, as written to --out."""
@@ -60,6 +63,7 @@ def bare_run(tmp_path_factory) -> dict[str, dict]:
     return {line["section"]: line for line in written}
 
 
+@BARE_RUN_IS_SLOW
 def test_bare_machine_env_names_what_is_missing(bare_run):
     env = bare_run["env"]
     assert env["status"] == "ok" and env["gpu"] is False
@@ -68,18 +72,21 @@ def test_bare_machine_env_names_what_is_missing(bare_run):
         assert env["packages"][name].startswith("no: ModuleNotFoundError"), name
 
 
+@BARE_RUN_IS_SLOW
 @pytest.mark.parametrize("name", [s.name for s in gpu_probe.SECTIONS if s.name not in ("hf_parity", "nixl_vram")])
 def test_section_passes_tiny_on_a_bare_machine(bare_run, name: str):
     line = bare_run[name]
     assert line["status"] == "ok", json.dumps(line)[:3000]
 
 
+@BARE_RUN_IS_SLOW
 def test_sections_without_their_package_say_why(bare_run):
     assert bare_run["hf_parity"]["status"] == "skipped" and "transformers" in bare_run["hf_parity"]["skipped"]
     assert bare_run["nixl_vram"]["status"] == "skipped" and "nixl_cu12 is not importable" in \
         bare_run["nixl_vram"]["skipped"]
 
 
+@BARE_RUN_IS_SLOW
 def test_tiny_sections_check_what_they_claim(bare_run):
     kernels = bare_run["kernel_parity"]
     assert kernels["attention_float32"]["g2"]["ok"] and kernels["large_pool_copy"]["exact"]
