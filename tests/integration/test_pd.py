@@ -133,6 +133,7 @@ def test_wrong_token(logs, prefill, decode):
         other.stop()
 
 
+@pytest.mark.slow  # starts workers of its own (~14 s); tests/unit/test_kv_layout.py checks the differences it reports
 def test_layout_mismatch(logs, prefill, decode):
     other = start_worker("prefill-page8", logs, "prefill", "--page-size", "8", env=TOKEN)
     try:

@@ -112,6 +112,7 @@ def two_decode_pods(tmp_path_factory, smollm2_path):
     up.stop()
 
 
+@pytest.mark.slow  # two decode pods on one redis (~30 s to start)
 def test_every_decode_pod_points_at_the_one_redis(two_decode_pods):
     _, pods = two_decode_pods
     infos = [httpx.get(p.url + "/server_info", timeout=10).json() for p in pods]
@@ -124,6 +125,7 @@ def test_every_decode_pod_points_at_the_one_redis(two_decode_pods):
     assert not [line for line in lines if url in line]
 
 
+@pytest.mark.slow  # two decode pods on one redis (~30 s to start)
 def test_prefix_from_one_pod_reaches_the_other_through_redis(two_decode_pods, reference):
     up, pods = two_decode_pods
     text_a, text_b = (SHARED + q for q in QUESTIONS)

@@ -188,6 +188,7 @@ def pd_tokens(prefill: Proc, decode: Proc, ids: list[int], max_new_tokens: int =
 PD_ROOMS = itertools.count(7000)
 
 
+@pytest.mark.slow  # a PD pair started twice (~40 s); a restarted worker's storage hits stay in the default run above
 def test_restarted_decode_gets_storage_hits_by_default(pd_restarted):
     """The handshake goes out while the request is queued, and prefill computes the prompt meanwhile: best_effort
     lets the prefetch land in that time, so the request reads only the delta from prefill."""
@@ -261,8 +262,9 @@ class SlowProxy:
 
 
 SHARED_REDIS_IS_SLOW = pytest.mark.slow
-"""Two more workers on one redis-server (~25 s to start): sharing itself stays in the default run through
-tests/integration/test_scale_out.py; these check prefetch deadlines and a store that stops."""
+"""Two more workers on one redis-server (~25 s to start): prefetch deadlines and a store that stops. Pods sharing
+one redis are checked in tests/integration/test_scale_out.py (also -m slow); the redis store itself in
+tests/integration/test_redis_store.py."""
 
 
 @pytest.fixture(scope="module")
