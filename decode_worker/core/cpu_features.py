@@ -16,9 +16,9 @@ def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
     """(dtype, why): bfloat16 on CUDA, float32 on CPU. A CPU with native bf16 decodes faster in bfloat16 (int4
-    layers included), but there our bfloat16 path still answers the embedded model's chat prompts differently from
-    transformers' own bfloat16 (a derailed answer to "What is the capital of France?"), so it is opt-in
-    (``--dtype bfloat16``) until it agrees."""
+    layers included), but the embedded 135M model's answers move with bf16 rounding: "What is the capital of
+    France?" starts at a float32 near-tie ("The" over "L" by 0.08 logits, against bf16 errors of about 1) and our
+    bf16 takes the other branch, so bf16 is opt-in (``--dtype bfloat16``) there."""
     if cuda:
         return "bfloat16", "CUDA"
     flags = native_bf16_flags(cpuinfo)
