@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from decode_worker.engine import engine as engine_module
@@ -12,7 +11,8 @@ from decode_worker.engine.engine import Engine
 from decode_worker.metrics import Metrics
 from decode_worker.pd.decode import DeltaKVFetcher
 from decode_worker.pd.prefill import KVHandoff
-from decode_worker.transfer.agent import KVAgent, TransferError
+from decode_worker.transfer.agent import KVAgent
+from tests.unit.test_unstoppable_read import nixl_peer, read_failure
 
 
 class FakeAgent:
@@ -82,14 +82,7 @@ def test_a_read_of_a_dropped_peer_fails_as_peer_lost():
     """An answer that named the old agent, admitted after it was replaced, never touches its released handles."""
     agent = KVAgent(torch.zeros(4, 1, 2, 16), "decode")
     try:
-        gone = SimpleNamespace(pool=agent.pool, dlist=None, name="prefill-old", mapped=None, mapping=None)
-
-        async def read():
-            await agent.read(1, gone, [1], [2], deadline=asyncio.get_running_loop().time() + 1)
-
-        with pytest.raises(TransferError) as failure:
-            asyncio.run(read())
-        assert failure.value.reason == "peer_lost"
+        assert read_failure(agent, 1, nixl_peer(agent, "prefill-old"), 1) == "peer_lost"
     finally:
         agent.close()
 

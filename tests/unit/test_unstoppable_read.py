@@ -14,6 +14,21 @@ from decode_worker.transfer import agent as agent_module
 from decode_worker.transfer.agent import KVAgent, TransferError
 
 
+def nixl_peer(agent: KVAgent, name: str) -> SimpleNamespace:
+    """A stand-in peer over ``agent``'s own pool that reads over NIXL (nothing mapped)."""
+    return SimpleNamespace(pool=agent.pool, dlist=None, name=name, mapped=None, mapping=None)
+
+
+def read_failure(agent: KVAgent, room: int, peer, timeout_s: float) -> str:
+    """The reason a one-page read from ``peer`` fails with (it must fail)."""
+    async def read():
+        await agent.read(room, peer, [1], [2], deadline=asyncio.get_running_loop().time() + timeout_s)
+
+    with pytest.raises(TransferError) as failure:
+        asyncio.run(read())
+    return failure.value.reason
+
+
 class StuckHandle:
     """A transfer that stays in progress and refuses release, as an uncancellable RDMA read might."""
 
@@ -28,15 +43,9 @@ def test_a_read_that_cannot_be_stopped_fails_as_unstoppable(monkeypatch):
         monkeypatch.setattr(agent.agent, "make_prepped_xfer", lambda *a, **k: StuckHandle())
         monkeypatch.setattr(agent, "_post", lambda handle: "PROC")
         monkeypatch.setattr(agent, "_state", lambda handle: "PROC")
-        peer = SimpleNamespace(pool=agent.pool, dlist=None, name="peer", mapped=None, mapping=None)  # read over NIXL
+        peer = nixl_peer(agent, "peer")
         monkeypatch.setitem(agent._peers, "peer", peer)
-
-        async def read():
-            await agent.read(7, peer, [1], [2], deadline=asyncio.get_running_loop().time() + 0.01)
-
-        with pytest.raises(TransferError) as failure:
-            asyncio.run(read())
-        assert failure.value.reason == "unstoppable"
+        assert read_failure(agent, 7, peer, 0.01) == "unstoppable"
     finally:
         monkeypatch.undo()
         agent.close()
