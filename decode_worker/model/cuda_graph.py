@@ -9,16 +9,26 @@ would gather rows through whatever was written there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from decode_worker.cache.pool import KVPool
+from decode_worker.model.config import ModelConfig
 from decode_worker.model.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from decode_worker.model.runner import ModelRunner
-
 Step = Callable[[], torch.Tensor]
+
+
+class StepOwner(Protocol):
+    """What the graphs need of the model runner (a Protocol, so this module never imports the runner that
+    imports it)."""
+
+    model: Callable[[ForwardBatch, KVPool], torch.Tensor]
+    pool: KVPool
+    config: ModelConfig
+    page_size: int
+    device: torch.device
 
 
 class Graph(Protocol):
@@ -64,7 +74,7 @@ def _buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_bs: int):
+    def __init__(self, runner: StepOwner, max_bs: int):
         self.runner = runner
         self.max_pages = runner.config.max_context // runner.page_size + 1
         dev = runner.device

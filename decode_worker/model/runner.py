@@ -5,6 +5,7 @@ import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.model.cuda_graph import DecodeGraphs
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel
 from decode_worker.model.page_table import PageTableRows
@@ -36,8 +37,6 @@ class ModelRunner:
         self.rows = PageTableRows(max_pages, self.device)  # running requests' pages, kept on the device
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
-            from decode_worker.model.cuda_graph import DecodeGraphs
-
             self.graphs = DecodeGraphs(self, cuda_graph_max_bs)
 
     def build_batch(self, new_tokens: list[list[int]], prefix_lens: list[int], pages: list[list[int]], all_logits: bool = False) -> ForwardBatch:
