@@ -11,7 +11,7 @@ import logging
 import re
 from enum import Enum
 from importlib.metadata import version
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
@@ -111,6 +111,9 @@ class ServerConfig(BaseSettings):
                                         "vLLM's format; JSON as vLLM's and SGLang's flag: publisher (zmq or null), "
                                         "endpoint (tcp://*:5557), topic, replay_endpoint, buffer_steps, hwm, "
                                         "max_queue_size, enable_kv_cache_events; unset: off")
+    tool_call_parser: Literal["auto", "hermes"] = _opt("how the model writes tool calls on the chat route: auto "
+                                                       "(the format its chat template shows, else hermes) or "
+                                                       "hermes (<tool_call>{json}</tool_call>)", "auto")
     log_level: str = _opt("logging level", "info")
 
     @field_validator("dtype")

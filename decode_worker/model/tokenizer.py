@@ -39,8 +39,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str:
+        """The model's chat template ('' when it has none): what it shows decides how tools are rendered."""
+        template = self.backend.chat_template
+        return template if isinstance(template, str) else ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``tools`` (OpenAI tool definitions) go to a template that renders them itself."""
         if not self.backend.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        text = self.backend.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.backend.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                tools=tools)
         return self.encode(text)

@@ -1,7 +1,7 @@
 """Every request field is honoured, refused, or (when no API documents it) ignored with a warning.
 
 SGLang's ``/generate`` and OpenAI's completion and chat schemas document fields this worker does not honour
-(constrained decoding, penalties, tools, multimodal inputs, ...). A request that sets one to anything but its
+(constrained decoding, multimodal inputs, logit bias, ...). A request that sets one to anything but its
 neutral value is refused with a 400 naming it: answering it as if it had been honoured would be a silent lie. A
 field neither API documents is ignored, as vLLM does, so routers and clients that add their own keep working; it
 is logged once per field, so an operator can see what is being dropped.
@@ -56,9 +56,8 @@ SAMPLING: dict[str, tuple[Neutral, str]] = {
 OPENAI: dict[str, tuple[Neutral, str]] = {
     "best_of": (ONE, "best_of"),
     "logit_bias": (EMPTY, "logit bias"), "suffix": (EMPTY, "suffixes"),
-    "tools": (EMPTY, "tool calls"), "functions": (EMPTY, "function calls"),
-    "tool_choice": (_among(None, "none", "auto"), "tool calls"),
-    "function_call": (_among(None, "none", "auto"), "function calls"),
+    "functions": (EMPTY, "legacy function calls: send tools instead"),
+    "function_call": (_among(None, "none", "auto"), "legacy function calls: send tool_choice instead"),
     "response_format": (_text_format, "structured output"),
     "audio": (ABSENT, "audio output"), "modalities": (_among(None, ["text"]), "non-text output"),
     "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
@@ -66,7 +65,7 @@ OPENAI: dict[str, tuple[Neutral, str]] = {
 }
 # Documented fields that ask nothing of the output (metadata, logging and routing hints, which sglang-router adds
 # to what it forwards): accepted as they are, without a warning.
-NOTES = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
+NOTES = frozenset({"user", "metadata", "service_tier", "safety_identifier",
                    "prompt_cache_key", "verbosity", "max_completion_tokens", "model", "log_metrics", "no_logs",
                    "custom_labels", "data_parallel_rank", "bootstrap_pair_key", "extra_key", "priority"})
 

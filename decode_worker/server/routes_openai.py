@@ -35,8 +35,11 @@ from decode_worker.server.responses import (
     generation_errors,
     sse_content,
 )
-from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, ContentPart, OpenAISampling
+from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from decode_worker.server.sse import sse_response
+from decode_worker.server.tools.output import ChoiceDeltas, chat_message, finish_reason
+from decode_worker.server.tools.render import chat_prompt
+from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan
 
 
 def router(cfg: ServerConfig) -> APIRouter:
@@ -126,25 +129,32 @@ async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: 
 async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     body = await parse_body(request, ChatCompletionRequest)
     engine.require_ready()
+    fmt = pick_format(engine.config.tool_call_parser, engine.tokenizer.chat_template)
+    plan = tool_plan(body, fmt)
+    prompt = chat_prompt(engine.tokenizer, body.messages, body.tools if plan is not None else [], fmt)
     per_choice = bootstrap_per_choice(body, 1, body.n)
-    inputs = choice_inputs(_chat_input(body, engine, per_choice), body.n, body, 0 if per_choice else None,
-                           engine.config)
+    inputs = choice_inputs(_chat_input(body, engine, prompt, per_choice, plan), body.n, body,
+                           0 if per_choice else None, engine.config)
     admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
-        return sse_response(_chat_chunks(engine, inputs, body, created, model))
+        return sse_response(_chat_chunks(engine, inputs, body, plan, created, model))
     results = await collect(engine, request, inputs)
-    choices = [{"index": j, "message": {"role": "assistant", "content": c.text()}, "finish_reason": _finish(c),
-                "logprobs": _chat_lp(engine, body, c.ids, c.logprobs, c.top_logprobs)} for j, c in enumerate(results)]
+    choices = []
+    for j, c in enumerate(results):
+        message = chat_message(plan, c.text())
+        choices.append({"index": j, "message": message,
+                        "finish_reason": finish_reason(_finish(c), "tool_calls" in message),
+                        "logprobs": _chat_lp(engine, body, c.ids, c.logprobs, c.top_logprobs)})
     return {**_envelope(inputs[0].rid, "chat.completion", created, model, choices), "usage": _usage(results, body.n)}
 
 
-def _chat_input(body: ChatCompletionRequest, engine: Engine, per_choice: bool) -> GenerateInput:
-    messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
-    try:
-        prompt = engine.tokenizer.apply_chat_template(messages)
-    except ValueError as e:
-        raise RequestError(str(e)) from e
+def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], per_choice: bool,
+                plan: ToolPlan | None) -> GenerateInput:
+    """A required call is refused until constrained decoding can hold the answer to it."""
+    if plan is not None and plan.required:
+        raise RequestError("tool_choice 'required' or naming a function is not supported yet (it needs constrained "
+                           "decoding): use 'auto'")
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
     if body.top_logprobs and not body.logprobs:
@@ -153,21 +163,10 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine, per_choice: bool) -
     return GenerateInput(rid, prompt, params, False, None if per_choice else bootstrap(body, 0, engine.config))
 
 
-def _message_text(content: str | list[ContentPart] | None) -> str | None:
-    """OpenAI content parts joined into one text; a part a text model cannot read is refused, not dropped."""
-    if not isinstance(content, list):
-        return content
-    other = sorted({p.type for p in content} - {"text"})
-    if other:
-        raise RequestError(f"messages: content parts of type {', '.join(map(repr, other))} are not supported "
-                           "(text parts only)")
-    return "".join(p.text or "" for p in content)
-
-
-async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCompletionRequest, created: int,
-                       model: str) -> AsyncIterator[dict]:
-    """Each choice's assistant role first, then content deltas as they come, then an empty delta with its finish
-    reason; with ``include_usage`` a last chunk carries the usage."""
+async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCompletionRequest,
+                       plan: ToolPlan | None, created: int, model: str) -> AsyncIterator[dict]:
+    """Each choice's assistant role first, then content and tool-call deltas as they come, then an empty delta with
+    its finish reason; with ``include_usage`` a last chunk carries the usage."""
 
     def chunk(index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -176,15 +175,19 @@ async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCo
     for index in range(len(inputs)):
         yield chunk(index, {"role": "assistant", "content": ""}, None)
     sent, last = [""] * len(inputs), [None] * len(inputs)
+    streams = [ChoiceDeltas(plan) for _ in inputs]
     async for index, c, event in interleave(engine, inputs):
         delta = _new_text(c.text(), sent[index], event.finish_reason is not None)
         sent[index] += delta
         last[index] = c
-        if delta or body.logprobs:
-            lp = _chat_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs)
-            yield chunk(index, {"content": delta}, None, lp)
+        deltas = streams[index].feed(delta) + (streams[index].finish() if event.finish_reason else [])
+        lp = _chat_lp(engine, body, event.token_ids, event.logprobs, event.top_logprobs)
+        if lp is not None and not deltas:  # the step's logprobs go with its first delta, or an empty one
+            deltas = [{"content": ""}]
+        for j, d in enumerate(deltas):
+            yield chunk(index, d, None, lp if j == 0 else None)
         if event.finish_reason:
-            yield chunk(index, {}, _finish(c))
+            yield chunk(index, {}, finish_reason(_finish(c), streams[index].called))
     if _include_usage(body):
         yield {**_envelope(inputs[0].rid, "chat.completion.chunk", created, model, []), "usage": _usage(last, body.n)}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -133,9 +133,50 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionDefinition(_Lenient):
+    """A function the model may call: its arguments follow ``parameters`` (a JSON schema; any object when absent).
+    ``strict`` is accepted as given: a required or named call is always held to the schema."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Lenient):
+    name: str
+    arguments: str  # JSON text of an object, as the API returned it
+
+
+class ToolCallMessage(_Lenient):
+    """A call an earlier assistant message made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # on an assistant message: the calls it made
+    tool_call_id: str | None = None  # on a tool message: which call this is the result of
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -144,6 +185,9 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # alternatives per token, with logprobs
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto (none without tools)
+    parallel_tool_calls: bool = True  # False: at most one call per answer
 
 
 class AbortRequest(_Lenient):

@@ -1,0 +1,255 @@
+"""The model's answer read back into OpenAI tool calls, whole or as it streams.
+
+A reader takes the answer's text in pieces (``feed``) and hands out, in order, content text and complete tool
+calls; ``finish`` flushes what it held. Reading a whole answer is feeding it at once, so a streamed answer and the
+same answer unstreamed always agree. A call goes out once it is complete and well-formed: a stream never sends a
+call the whole answer would not have, and markup that does not parse (or names a function the request did not
+offer) stays content, as the model wrote it. Whitespace between content and a call is dropped.
+
+Formats are registered by name in ``FORMATS`` (``--tool-call-parser``); ``hermes`` (``<tool_call>{json}</tool_call>``)
+is the default. ``ArrayReader`` reads the bare JSON array that constrained decoding produces under ``tool_choice``
+``required`` or a named function.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+    id: str = field(default_factory=new_call_id)
+
+    def message(self) -> dict:
+        """The call as an assistant message's ``tool_calls`` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+Item = str | ToolCall  # content text, or a complete call
+
+
+class Reader(Protocol):
+    def feed(self, text: str) -> list[Item]: ...
+
+    def finish(self) -> list[Item]: ...
+
+
+def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
+    """``{"name": ..., "arguments": {...}}`` naming one of ``names`` (arguments may come as JSON text of an object),
+    else None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or obj["name"] not in names:
+        return None
+    arguments = obj["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class _Spacing:
+    """Drops the whitespace between content and a call: trailing whitespace is held until content follows it, and
+    whitespace right after a call is skipped."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.after_call = False
+
+    def text(self, text: str) -> list[Item]:
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.after_call = False
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return [body] if body else []
+
+    def call(self, call: ToolCall) -> list[Item]:
+        self.held, self.after_call = "", True
+        return [call]
+
+    def finish(self) -> list[Item]:
+        held, self.held = self.held, ""
+        return [held] if held else []
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that could be the start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _in_string(text: str) -> bool:
+    """Whether ``text`` (the start of some JSON) ends inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+class TaggedReader:
+    """Calls wrapped in a start and an end tag, each a JSON object (Hermes: ``<tool_call>`` ... ``</tool_call>``).
+    An unclosed call at the end still counts when its JSON is complete (a model may stop before the end tag)."""
+
+    def __init__(self, names: frozenset[str], start: str = "<tool_call>", end: str = "</tool_call>"):
+        self.names, self.start, self.end = names, start, end
+        self.pending = ""
+        self.inside = False
+        self.spacing = _Spacing()
+
+    def feed(self, text: str) -> list[Item]:
+        self.pending += text
+        out: list[Item] = []
+        while True:
+            if not self.inside:
+                at = self.pending.find(self.start)
+                if at < 0:
+                    keep = _partial_tag(self.pending, self.start)
+                    ready, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                    return out + (self.spacing.text(ready) if ready else [])
+                out += self.spacing.text(self.pending[:at]) if at else []
+                self.pending, self.inside = self.pending[at + len(self.start):], True
+            else:
+                at = self._end_tag()
+                if at < 0:
+                    return out
+                out += self._call(self.pending[:at], self.end)
+                self.pending, self.inside = self.pending[at + len(self.end):], False
+
+    def finish(self) -> list[Item]:
+        out: list[Item] = []
+        if self.inside:
+            out += self._call(self.pending, "")
+        elif self.pending:
+            out += self.spacing.text(self.pending)
+        self.pending, self.inside = "", False
+        return out + self.spacing.finish()
+
+    def _end_tag(self) -> int:
+        """Where the open call's end tag is, -1 while it has not come: a tag inside a JSON string is text."""
+        at = self.pending.find(self.end)
+        while at >= 0 and _in_string(self.pending[:at]):
+            at = self.pending.find(self.end, at + 1)
+        return at
+
+    def _call(self, body: str, end: str) -> list[Item]:
+        call = parse_call(body, self.names)
+        if call is None:
+            return self.spacing.text(self.start + body + end)
+        return self.spacing.call(call)
+
+
+class ArrayReader:
+    """A JSON array of call objects, the shape constrained decoding produces: each element goes out once it
+    closes. Text that is not such an array stays content from where it goes wrong, as does an element cut short."""
+
+    def __init__(self, names: frozenset[str]):
+        self.names = names
+        self.text = ""
+        self.depth = 0
+        self.opened = self.in_string = self.escaped = self.broken = False
+        self.element = -1  # where the open element starts, -1 while none is open
+        self.done_to = 0  # what precedes this went out as a call or was array syntax
+        self.spacing = _Spacing()
+
+    def feed(self, text: str) -> list[Item]:
+        out: list[Item] = []
+        start, self.text = len(self.text), self.text + text
+        for at in range(start, len(self.text)):
+            if self.broken:
+                break
+            out += self._step(at, self.text[at])
+        if self.broken:
+            out += self.spacing.text(self.text[self.done_to:])
+            self.done_to = len(self.text)
+        return out
+
+    def finish(self) -> list[Item]:
+        cut = self.text[self.element:] if self.element >= 0 and not self.broken else ""
+        self.element, self.done_to = -1, len(self.text)
+        return (self.spacing.text(cut) if cut else []) + self.spacing.finish()
+
+    def _step(self, at: int, ch: str) -> list[Item]:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return []
+        if self.depth >= 2:  # inside an element: only its nesting matters here, json.loads judges the rest
+            if ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    return self._close(at)
+            return []
+        if ch.isspace() or (self.depth == 1 and ch == ","):
+            return []
+        if self.depth == 0 and ch == "[" and not self.opened:
+            self.opened, self.depth = True, 1
+        elif self.depth == 1 and ch == "{":
+            self.element, self.depth = at, 2
+        elif self.depth == 1 and ch == "]":
+            self.depth = 0
+        else:
+            self.broken = True
+        return []
+
+    def _close(self, at: int) -> list[Item]:
+        body = self.text[self.element:at + 1]
+        self.element, self.done_to = -1, at + 1
+        call = parse_call(body, self.names)
+        return self.spacing.call(call) if call is not None else self.spacing.text(body)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes tool calls: ``marker`` shows in a chat template that renders them this way (so the
+    model's own template can show tools and past calls), ``reader`` reads them back."""
+
+    name: str
+    marker: str
+    reader: Callable[[frozenset[str]], Reader]
+
+
+FORMATS: dict[str, ToolFormat] = {
+    "hermes": ToolFormat("hermes", "<tool_call>", TaggedReader),
+}
+DEFAULT_FORMAT = "hermes"
+
+
+def read_all(reader: Reader, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer: its content (None when there is none) and its calls."""
+    items = reader.feed(text) + reader.finish()
+    content = "".join(i for i in items if isinstance(i, str))
+    return content or None, [i for i in items if isinstance(i, ToolCall)]
