@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # constrained decoding: at most one per request
 GREEDY_BELOW = 1e-5  # a temperature this close to 0 is greedy: dividing logits by it would overflow them into NaN
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI caps them
 
@@ -24,6 +25,22 @@ class SamplingParams:
     min_new_tokens: int = 0  # end-of-sequence and stop tokens are masked, and stop strings ignored, until then
     top_logprobs: int = 0  # the most likely alternatives reported with each token
     skip_special_tokens: bool = True  # special tokens are left out of the text
+    # Constrained decoding (``scheduler/grammar.py``), at most one: the output is JSON valid under this schema, a
+    # match of this regular expression, or a sentence of this EBNF grammar (GBNF, root rule ``root``).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    grammar_field: str = ""  # the request field the grammar came from, named in errors; "" names the kind itself
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, None when its output is free."""
+        return next(((kind, text) for kind in GRAMMAR_KINDS if (text := getattr(self, kind)) is not None), None)
+
+    @property
+    def grammar_name(self) -> str:
+        """How errors about the grammar name it: the request's own field."""
+        return self.grammar_field or (self.grammar or ("grammar",))[0]
 
     @property
     def shapes_logits(self) -> bool:
@@ -50,6 +67,17 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are exclusive: give at most one grammar")
+        if given and not getattr(self, given[0]).strip():
+            raise ValueError(f"{self.grammar_name} is empty")
+        if given and self.min_new_tokens:  # its mask could leave no token the grammar allows
+            raise ValueError(f"min_new_tokens cannot be combined with {self.grammar_name}: the grammar decides "
+                             "where the output ends")
 
     @property
     def greedy(self) -> bool:

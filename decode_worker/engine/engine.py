@@ -22,6 +22,7 @@ from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.grammar import CompiledGrammar, GrammarCompiler
 from decode_worker.scheduler.roles import COLOCATED
 from decode_worker.scheduler.scheduler import Scheduler
 
@@ -49,6 +50,7 @@ class Engine:
         self.handoff = None  # prefill role: KVHandoff
         self._expiry: asyncio.Task | None = None
         self.kv_events = None  # ZmqEventPublisher under --kv-events-config
+        self.grammars: GrammarCompiler | None = None  # constrained decoding's compiler and cache
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
+        self.grammars = GrammarCompiler(tok, self.runner.config.vocab_size)
         self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics, self.runner.config.vocab_size)
         self.scheduler = Scheduler(
             self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,
@@ -138,6 +141,8 @@ class Engine:
             self.cache.close()
         if self.kv_events is not None:
             self.kv_events.close()  # after the cache: its last changes are sent too
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -161,9 +166,19 @@ class Engine:
                                "bootstrap_room (send them through a PD router)")
         scheduler.check_fits(inp)
 
+    async def compile_grammar(self, inp: GenerateInput) -> CompiledGrammar | None:
+        """``inp``'s grammar, compiled off the event loop (once per grammar text); None when it has none.
+        RequestError naming the field when it cannot compile."""
+        if inp.params.grammar is None:
+            return None
+        self.require_ready()
+        return await self.grammars.compile(inp.params)
+
     async def submit(self, inp: GenerateInput) -> RequestStream:
-        """The route has run ``check_request`` before answering; the scheduler checks the fit again itself."""
-        return self.require_ready().submit(inp)
+        """The route has run ``check_request`` and compiled the grammar before answering (so this finds it
+        compiled); the scheduler checks the fit again itself."""
+        grammar = await self.compile_grammar(inp)
+        return self.require_ready().submit(inp, grammar)
 
     def abort(self, rid: str) -> None:
         if self.scheduler is not None:

@@ -19,6 +19,7 @@ from decode_worker.core.sequence import check_fits, trim_stop_string
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler.grammar import CompiledGrammar, GrammarCompiler
 from decode_worker.scheduler.scheduler import Scheduler
 
 LOAD_BACK_TIMEOUT_S = 30.0  # never reached: without L2 there is nothing to load back
@@ -60,6 +61,7 @@ class LLM:
             max_prefill_tokens=max_total_tokens, load_back_timeout_s=LOAD_BACK_TIMEOUT_S,
         )
         self._ids = itertools.count()
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size) if self.tokenizer else None
 
     @property
     def config(self):
@@ -78,17 +80,26 @@ class LLM:
         """Every prompt is checked (ValueError, e.g. ``PromptTooLong``) before any runs. The prefixes cached
         meanwhile are dropped at the end, so a call's cost never depends on an earlier one."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        inputs = []
+        inputs, grammars = [], []
         for prompt, p in zip(prompts, plist):
             ids = self.encode_prompt(prompt)
             check_fits(ids, p, max_context=self.config.max_context, vocab_size=self.config.vocab_size,
                        page_size=self.runner.page_size, total_pages=self.allocator.total)
             inputs.append(GenerateInput(str(next(self._ids)), ids, p))
-        streams = [self.scheduler.submit(inp) for inp in inputs]
+            grammars.append(self._grammar(p))
+        streams = [self.scheduler.submit(inp, grammar) for inp, grammar in zip(inputs, grammars)]
         while not self.scheduler.idle():
             self.scheduler.step_sync()
         self.cache.flush()
         return [self._output(inp, stream) for inp, stream in zip(inputs, streams)]
+
+    def _grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """``params``' grammar compiled (ValueError naming it when it cannot be); None when it has none."""
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"{params.grammar_name}: constrained decoding needs the model's tokenizer")
+        return self.grammars.compile_now(params)
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""

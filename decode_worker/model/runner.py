@@ -9,7 +9,7 @@ from decode_worker.model.cuda_graph import DecodeGraphs
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.loader import LoadedModel
 from decode_worker.model.page_table import PageTableRows
-from decode_worker.model.sampler import SampleResult, Shaping, sample
+from decode_worker.model.sampler import SampleResult, Shaping, TokenMask, sample
 
 
 class ModelRunner:
@@ -56,7 +56,7 @@ class ModelRunner:
         return self.model(fb, self.pool)
 
     def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
-                       shaping: list[Shaping | None] | None = None) -> SampleResult:
+                       shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
         """Forward and sample on the calling thread, which waits for the device in the sampler's ``.tolist()``:
         the caller gets Python lists, never a device tensor (nor a graph output the next replay rewrites)."""
-        return sample(self.forward(fb), params, generators, shaping)
+        return sample(self.forward(fb), params, generators, shaping, mask)

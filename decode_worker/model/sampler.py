@@ -29,6 +29,15 @@ class Shaping:
 
 
 @dataclass
+class TokenMask:
+    """The tokens each constrained row may pick at this step (``scheduler/grammar.py`` fills it): bit ``t % 32`` of
+    ``bits[j, t // 32]`` set when row ``rows[j]`` of the batch may pick token ``t``."""
+
+    rows: list[int]
+    bits: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], on the host
+
+
+@dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each chosen token under the unmodified distribution
@@ -37,11 +46,14 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           shaping: list[Shaping | None] | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits."""
+           shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits, and
+    ``mask``'s rows pick only among the tokens it allows."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
+    if mask is not None:
+        shaped = _apply_mask(shaped.clone() if shaped is logits else shaped, mask)
     chosen = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -111,6 +123,17 @@ def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Sha
     if ban:
         rows, tokens = _columns(ban, logits.device)
         logits[rows, tokens] = float("-inf")
+    return logits
+
+
+def _apply_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Every token ``mask`` does not allow set to -inf in its rows, in place: the bits unpacked to one boolean
+    tensor and applied in one pass, on the logits' device."""
+    bits = mask.bits.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=bits.dtype, device=logits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

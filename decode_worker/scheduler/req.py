@@ -17,6 +17,7 @@ from decode_worker.cache.prefix_cache import PrefixCache
 from decode_worker.core.lifecycle import CacheHits, ReqState
 from decode_worker.core.request import GenerateInput, Prefilled, RequestError, RequestStream
 from decode_worker.core.sequence import Sequence
+from decode_worker.scheduler.grammar import RowGrammar
 from decode_worker.scheduler.lookahead import StorageFetch
 
 
@@ -49,6 +50,7 @@ class Req:
     last_token_at: float = 0.0  # monotonic time of its last output token (inter-token latency)
     retries: int = 0  # failed load-backs so far
     handoff: Prefilled | None = None  # prefill role: the first token and logprobs the handshake's answer carries
+    grammar: RowGrammar | None = None  # constrained decoding: where its output stands in its grammar (grammar.py)
 
     @property
     def rid(self) -> str:

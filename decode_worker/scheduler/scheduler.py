@@ -39,6 +39,7 @@ from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import SampleResult, make_generator
 from decode_worker.scheduler.admission import Admission
 from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend_batch
+from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar, fill_mask
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.roles import COLOCATED, PromptDone, PromptSource
@@ -83,15 +84,19 @@ class Scheduler:
         except ValueError as e:
             raise RequestError(str(e)) from e
 
-    def submit(self, inp: GenerateInput) -> RequestStream:
+    def submit(self, inp: GenerateInput, grammar: CompiledGrammar | None = None) -> RequestStream:
+        """Queue ``inp``; a request with a grammar comes with it compiled (``GrammarCompiler``)."""
         if self.stopping:
             raise RequestError("server is shutting down", 503, "unavailable")
         if inp.rid in self.requests or inp.rid in self.queues.held:
             raise RequestError(f"request id {inp.rid!r} is already running", 409, "conflict")
         self.check_fits(inp)
+        if (inp.params.grammar is None) != (grammar is None):
+            raise RequestError(f"{inp.params.grammar_name}: the grammar was not compiled for this request", 500,
+                               "internal_error")
         stream = RequestStream(inp.rid)
         seq = Sequence(inp.rid, list(inp.prompt_ids), inp.params, generator=make_generator(inp.params.seed, self.runner.device))
-        req = Req(inp, stream, seq)
+        req = Req(inp, stream, seq, grammar=grammar and RowGrammar(grammar, inp.params.grammar_name))
         self.requests[inp.rid] = req
         self.queues.add(req)
         self.metrics.prompt_tokens.inc(len(inp.prompt_ids))
@@ -179,10 +184,11 @@ class Scheduler:
         """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
         reqs, started = batch.reqs, time.monotonic()
         params, generators = [r.seq.params for r in reqs], [r.seq.generator for r in reqs]
+        mask = fill_mask([r.grammar for r in reqs], self.runner.config.vocab_size)
         if batch.scoring is not None:
-            result = batch.scoring.forward_sample(self.runner, batch.forward, params, generators, batch.shaping)
+            result = batch.scoring.forward_sample(self.runner, batch.forward, params, generators, batch.shaping, mask)
         else:
-            result = self.runner.forward_sample(batch.forward, params, generators, batch.shaping)
+            result = self.runner.forward_sample(batch.forward, params, generators, batch.shaping, mask)
         self.metrics.forward_seconds.labels(batch.kind.value).observe(time.monotonic() - started)
         return result
 
@@ -296,6 +302,8 @@ class Scheduler:
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         check_finish(seq, self.eos_token_ids, self.runner.config.max_context, self.decode_text)
+        if req.grammar is not None:
+            req.grammar.advance(seq)
         record_token(self.metrics, req)
         req.stream.queue.put_nowait(TokenEvent([token], [logprob], finish_reason=seq.finish_reason,
                                                cached_tokens=req.cached_tokens, top_logprobs=[top or []],

@@ -16,7 +16,7 @@ from decode_worker.core.request import PromptLogprobs
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.model.forward_batch import ForwardBatch, int_tensor
 from decode_worker.model.runner import ModelRunner
-from decode_worker.model.sampler import SampleResult, Shaping, sample, score
+from decode_worker.model.sampler import SampleResult, Shaping, TokenMask, sample, score
 from decode_worker.scheduler.req import Req
 
 
@@ -46,10 +46,11 @@ class ScoredExtend:
     scored: list[_Scored]
 
     def forward_sample(self, runner: ModelRunner, fb: ForwardBatch, params: list[SamplingParams],
-                       generators: list[torch.Generator | None], shaping: list[Shaping | None]) -> SampleResult:
+                       generators: list[torch.Generator | None], shaping: list[Shaping | None],
+                       mask: TokenMask | None = None) -> SampleResult:
         """Forward once, sample from each request's last row, score the prompts from their rows."""
         logits = runner.forward(fb)
-        result = sample(logits[self.sample_rows], params, generators, shaping)
+        result = sample(logits[self.sample_rows], params, generators, shaping, mask)
         result.prompt = [None] * len(params)
         for s in self.scored:
             chosen, top = score(logits[s.first_row: s.first_row + len(s.targets)], s.targets, s.top)

@@ -1,8 +1,8 @@
 """Every request field is honoured, refused, or (when no API documents it) ignored with a warning.
 
 SGLang's ``/generate`` and OpenAI's completion and chat schemas document fields this worker does not honour
-(constrained decoding, multimodal inputs, logit bias, ...). A request that sets one to anything but its
-neutral value is refused with a 400 naming it: answering it as if it had been honoured would be a silent lie. A
+(multimodal inputs, logit bias, LoRA adapters, ...). A request that sets one to anything but its neutral value is
+refused with a 400 naming it: answering it as if it had been honoured would be a silent lie. A
 field neither API documents is ignored, as vLLM does, so routers and clients that add their own keep working; it
 is logged once per field, so an operator can see what is being dropped.
 """
@@ -34,10 +34,6 @@ TRUE = _among(None, True)
 EMPTY = _among(None, {}, [], "")
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
 # Documented by SGLang (GenerateReqInput, SamplingParams) and not honoured here: field -> its neutral values.
 GENERATE: dict[str, tuple[Neutral, str]] = {
     "input_embeds": (ABSENT, "input embeddings"), "image_data": (ABSENT, "image inputs (a text-only model)"),
@@ -46,9 +42,7 @@ GENERATE: dict[str, tuple[Neutral, str]] = {
     "custom_logit_processor": (ABSENT, "custom logit processors"), "return_hidden_states": (FALSE, "hidden states"),
 }
 SAMPLING: dict[str, tuple[Neutral, str]] = {
-    "min_p": (ZERO, "min-p sampling"), "json_schema": (ABSENT, "constrained decoding"),
-    "regex": (ABSENT, "constrained decoding"), "ebnf": (ABSENT, "constrained decoding"),
-    "structural_tag": (ABSENT, "constrained decoding"),
+    "min_p": (ZERO, "min-p sampling"), "structural_tag": (ABSENT, "structural tags"),
     "spaces_between_special_tokens": (TRUE, "detokenizer options"), "no_stop_trim": (FALSE, "untrimmed stop strings"),
     "custom_params": (ABSENT, "custom logit processors"), "logit_bias": (EMPTY, "logit bias"),
 }
@@ -58,7 +52,6 @@ OPENAI: dict[str, tuple[Neutral, str]] = {
     "logit_bias": (EMPTY, "logit bias"), "suffix": (EMPTY, "suffixes"),
     "functions": (EMPTY, "legacy function calls: send tools instead"),
     "function_call": (_among(None, "none", "auto"), "legacy function calls: send tool_choice instead"),
-    "response_format": (_text_format, "structured output"),
     "audio": (ABSENT, "audio output"), "modalities": (_among(None, ["text"]), "non-text output"),
     "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
     "store": (FALSE, "stored completions"), "web_search_options": (ABSENT, "web search"),

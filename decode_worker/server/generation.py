@@ -61,11 +61,13 @@ class Collected:
         return trim_stop_string(self.stream_text.decode(self.ids), self.finish_reason)
 
 
-def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
-    """Check every prompt before any runs: a body with one prompt that cannot be served is refused whole, with
-    its HTTP status, before a stream has sent a status line."""
+async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
+    """Check every prompt, and compile its grammar, before any runs: a body with one prompt that cannot be served
+    is refused whole, with its HTTP status, before a stream has sent a status line."""
     for inp in inputs:
         engine.check_request(inp)
+    for inp in inputs:
+        await engine.compile_grammar(inp)
 
 
 async def _start(engine: Engine, inp: GenerateInput) -> tuple[RequestStream, Collected]:

@@ -37,6 +37,7 @@ from decode_worker.server.responses import (
 )
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from decode_worker.server.sse import sse_response
+from decode_worker.server.structured import openai_grammar
 from decode_worker.server.tools.output import ChoiceDeltas, chat_message, finish_reason
 from decode_worker.server.tools.render import chat_prompt
 from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan
@@ -68,7 +69,7 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
     body = await parse_body(request, CompletionRequest)
     engine.require_ready()
     inputs = _completion_inputs(body, engine)
-    admit(engine, inputs)
+    await admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
         return sse_response(_completion_chunks(engine, inputs, body, created, model))
@@ -135,7 +136,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     per_choice = bootstrap_per_choice(body, 1, body.n)
     inputs = choice_inputs(_chat_input(body, engine, prompt, per_choice, plan), body.n, body,
                            0 if per_choice else None, engine.config)
-    admit(engine, inputs)
+    await admit(engine, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
         return sse_response(_chat_chunks(engine, inputs, body, plan, created, model))
@@ -217,7 +218,7 @@ def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> Sampl
                           top_k=body.top_k, seed=body.seed, stop=stop_list(body.stop),
                           stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                           frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                          top_logprobs=top_logprobs)
+                          top_logprobs=top_logprobs, **openai_grammar(body))
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:

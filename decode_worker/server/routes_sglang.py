@@ -23,6 +23,7 @@ from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
 from decode_worker.server.sse import sse_response
+from decode_worker.server.structured import generate_grammar
 
 
 def router(cfg: ServerConfig) -> APIRouter:
@@ -42,7 +43,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
     batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
     inputs = _inputs(body, batched, engine)
     batched = batched or len(inputs) > 1  # n > 1 answers a list, as SGLang does
-    admit(engine, inputs)
+    await admit(engine, inputs)
     text_of = _token_text(engine) if body.return_text_in_logprobs else None
     if body.stream:
         return sse_response(_chunks(engine, inputs, batched, body.return_text_in_logprobs))
@@ -80,7 +81,8 @@ def _sampling(p: SGLangSamplingParams, top_logprobs: int) -> SamplingParams:
                           stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos,
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                           repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_new_tokens,
-                          top_logprobs=top_logprobs, skip_special_tokens=p.skip_special_tokens)
+                          top_logprobs=top_logprobs, skip_special_tokens=p.skip_special_tokens,
+                          **generate_grammar(p))
 
 
 async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool,

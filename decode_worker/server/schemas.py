@@ -44,6 +44,7 @@ SamplesPerPrompt = Annotated[int, Field(ge=1, le=64)]  # each sample is a reques
 Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence, as OpenAI bounds them
 RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+GrammarText = Annotated[str, Field(min_length=1)]  # a JSON schema, regular expression or EBNF grammar
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a torch generator can be seeded with
 # A prompt is never empty, nor is a batch of them.
 Text = Annotated[str, Field(min_length=1)]
@@ -80,6 +81,9 @@ class SGLangSamplingParams(_Lenient):
     min_new_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     seed: Seed | None = Field(default=None, alias="sampling_seed")
+    json_schema: GrammarText | None = None  # constrained decoding (structured.py): at most one of these three
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
@@ -94,6 +98,25 @@ class GenerateRequest(BootstrapFields):
     top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0  # alternatives per token, with return_logprob
     logprob_start_len: LogprobStart | list[LogprobStart] = -1  # prompt logprobs from this position, with return_logprob
     return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text instead of null
+
+
+class JsonSchemaFormat(_Lenient):
+    """OpenAI's ``response_format.json_schema``. The output always keeps to the schema and adds no property it does
+    not declare, which is what ``strict: true`` asks (and more than ``strict: false`` promises)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that a schema accepts."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Lenient):
@@ -117,6 +140,9 @@ class OpenAISampling(BootstrapFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     rid: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: GrammarText | None = None  # SGLang's constrained-decoding extras on these routes
+    ebnf: GrammarText | None = None
 
 
 class CompletionRequest(OpenAISampling):

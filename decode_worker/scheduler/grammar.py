@@ -1,0 +1,166 @@
+"""Constrained decoding with xgrammar: JSON schemas, regular expressions and EBNF grammars.
+
+A grammar is compiled once per (kind, text), in a worker thread, never on the event loop: the route waits for it
+with a deadline before the request is admitted, so a grammar that cannot compile is a 400 naming its field. Each
+request then holds a matcher (``RowGrammar``) that advances with every token it emits; before each forward the
+rows with a grammar get one token bitmask for the step (``fill_mask``), which the sampler applies to the whole
+batch at once (``model/sampler.py``).
+
+How a constrained request ends: when its grammar is complete only end-of-sequence tokens stay allowed, so it
+stops as any request does ({"type": "stop"}); one whose grammar terminated otherwise (``ignore_eos``) stops with
+that token. A token the grammar refuses (prefill's first token in a PD pair built without this grammar, say)
+finishes it as {"type": "abort", "message": "grammar dead end: ..."}, the output so far kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from decode_worker.core.request import RequestError
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import Sequence
+from decode_worker.model.sampler import TokenMask
+
+if TYPE_CHECKING:
+    from decode_worker.model.tokenizer import Tokenizer
+
+CACHE_ENTRIES = 256  # compiled grammars (and refusals) kept, least recently used dropped first
+COMPILE_TIMEOUT_S = 30.0  # how long a request waits for its grammar; the compile goes on and is cached for a retry
+WHITESPACE_RUN = 16  # most whitespace characters a JSON schema's output may put between two elements
+_NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar compiled against this model's tokenizer; shared, read-only, by every request that uses it."""
+
+    kind: str
+    text: str
+    compiled: Any  # xgrammar.CompiledGrammar
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer on its own thread and keeps the last ``CACHE_ENTRIES`` by (kind, text),
+    refusals included, so a popular schema compiles once and a bad one is refused at once the next time.
+
+    ``vocab_size`` is the logits' width, which may exceed the tokenizer's: tokens past it are never allowed."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._xgr_compiler: Any = None  # built on the compile thread at first use (xgrammar loads in ~1.5 s)
+
+    async def compile(self, params: SamplingParams, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
+        """``params``' grammar compiled, waiting at most ``timeout_s``; RequestError naming its field when it
+        cannot compile (400) or is not ready in time (503: the compile goes on and a retry finds it)."""
+        kind, text = params.grammar
+        future = asyncio.wrap_future(self._submit(kind, text))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            raise RequestError(f"{params.grammar_name}: the grammar did not compile within {timeout_s:g} s; try "
+                               "again shortly", 503, "unavailable") from None
+        except GrammarError as e:
+            raise RequestError(f"{params.grammar_name}: {e}") from None
+
+    def compile_now(self, params: SamplingParams) -> CompiledGrammar:
+        """Blocking ``compile`` for callers without an event loop (offline generation); ValueError naming the field."""
+        try:
+            return self._submit(*params.grammar).result()
+        except GrammarError as e:
+            raise ValueError(f"{params.grammar_name}: {e}") from None
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, kind: str, text: str) -> Future[CompiledGrammar]:
+        key = (kind, text)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not future.cancelled():
+                self._cache.move_to_end(key)
+                return future
+            future = self._thread.submit(self._compile, kind, text)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, kind: str, text: str) -> CompiledGrammar:
+        """Runs on the compile thread only."""
+        compiler = self._compiler()
+        try:
+            if kind == "json_schema":
+                compiled = compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=WHITESPACE_RUN,
+                                                        strict_mode=True)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            elif kind == "ebnf":
+                compiled = compiler.compile_grammar(text, root_rule_name="root")
+            else:
+                raise GrammarError(f"unknown grammar kind {kind!r}")
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+            raise GrammarError(f"cannot compile the {kind}: {_NOISE.sub('', str(e)).strip()}") from None
+        return CompiledGrammar(kind, text, compiled)
+
+    def _compiler(self) -> Any:
+        if self._xgr_compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.backend, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.tokenizer.eos_token_ids))
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._xgr_compiler
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot compile; the message says why."""
+
+
+class RowGrammar:
+    """One request's place in its grammar: advanced by each token it emits, asked for the next allowed set."""
+
+    def __init__(self, grammar: CompiledGrammar, name: str):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(grammar.compiled)
+        self.name = name  # the request field, for the dead-end message
+
+    def advance(self, seq: Sequence) -> None:
+        """Feed ``seq``'s newest token; finish ``seq`` when the grammar refuses it or has terminated."""
+        token = seq.output_ids[-1]
+        if not self.matcher.accept_token(token):
+            seq.finish_reason = {"type": "abort",
+                                 "message": f"grammar dead end: token {token} is not allowed by {self.name}"}
+        elif self.matcher.is_terminated() and seq.finish_reason is None:
+            seq.finish_reason = {"type": "stop", "matched": token}
+
+
+def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> TokenMask | None:
+    """The step's token bitmask for the rows that have a grammar, filled in one call; None when no row has one."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    import xgrammar as xgr
+
+    bits = xgr.allocate_token_bitmask(len(rows), vocab_size)
+    _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bits)
+    return TokenMask(rows, bits)
+
+
+@cache
+def _batch_matcher() -> Any:
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads=1)

@@ -1,0 +1,200 @@
+"""Constrained decoding: the batched token mask, grammars compiled off the loop and cached, and outputs that keep to
+their grammar even from random weights (the point of constraining them)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+
+import jsonschema_rs
+import pytest
+import torch
+
+from decode_worker.core.request import RequestError
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import Sequence
+from decode_worker.engine.llm import LLM
+from decode_worker.model.sampler import TokenMask, make_generator, sample
+from decode_worker.scheduler.grammar import GrammarCompiler, RowGrammar, fill_mask
+from tests.tiny_model import save_tiny_chat_model
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "colour": {"enum": ["red", "green", "blue"]}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                           "maxItems": 3}},
+    "required": ["ok", "n", "colour"]}
+REGEX = r"[a-c]{2,5}-\d{3}"
+EBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+EBNF_SHAPE = re.compile(r"\((?:[0-9]|x)(?:,(?:[0-9]|x))*\)")
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    return LLM(str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-grammar"))), max_total_tokens=8192)
+
+
+def bits_allowing(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    bits = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            bits[row, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+    return bits
+
+
+# ---- the sampler's mask ---------------------------------------------------------------------------------------
+
+
+def test_the_mask_limits_only_its_rows_and_leaves_the_reported_logprobs_alone():
+    torch.manual_seed(0)
+    vocab = 100
+    logits = torch.randn(4, vocab)
+    allowed = {0: [3, 31, 32, 99], 2: [64]}  # word edges and the last token
+    mask = TokenMask([0, 2], bits_allowing([allowed[0], allowed[2]], vocab))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=5)]
+    for seed in range(20):
+        gens = [None, None, make_generator(seed, torch.device("cpu")), None]
+        out = sample(logits.clone(), params, gens, mask=mask)
+        assert out.token_ids[0] == max(allowed[0], key=lambda t: logits[0, t])
+        assert out.token_ids[1] == int(logits[1].argmax())  # no mask: the plain argmax
+        assert out.token_ids[2] == 64
+        assert out.token_ids[3] in logits[3].topk(5).indices.tolist()
+        raw = torch.log_softmax(logits, -1)
+        assert out.logprobs == pytest.approx([float(raw[i, t]) for i, t in enumerate(out.token_ids)], abs=1e-6)
+
+
+def test_a_mask_row_with_a_sign_bit_word_unpacks_right():
+    """Token 31 is the sign bit of its int32 word: an arithmetic shift must not smear it over the others."""
+    logits = torch.zeros(1, 64)
+    logits[0, 0] = 5.0  # the best token, not allowed
+    out = sample(logits, [SamplingParams(temperature=0)], [None], mask=TokenMask([0], bits_allowing([[31]], 64)))
+    assert out.token_ids == [31]
+
+
+# ---- compiling --------------------------------------------------------------------------------------------------
+
+
+def test_grammars_compile_on_their_own_thread_once_per_text(llm):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    threads: list[str] = []
+    inner = compiler._compile
+    compiler._compile = lambda kind, text: threads.append(threading.current_thread().name) or inner(kind, text)
+    params = SamplingParams(regex=REGEX)
+
+    async def twice():
+        return await asyncio.gather(compiler.compile(params), compiler.compile(SamplingParams(regex=REGEX)))
+
+    first, second = asyncio.run(twice())
+    assert first is second and first.kind == "regex"
+    assert compiler.compile_now(params) is first
+    assert len(threads) == 1 and threads[0].startswith("grammar") and threads[0] != threading.current_thread().name
+    compiler.close()
+
+
+@pytest.mark.parametrize("kind,text,says", [
+    ("json_schema", '{"type": "object", "properties": ', "JSON"),
+    ("json_schema", '{"type": "strnig"}', "strnig"),
+    ("regex", "(ab", "parenthesis"),
+    ("ebnf", "root ::= missing", "missing"),
+])
+def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field_and_stays_refused(llm, kind, text, says):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    params = SamplingParams(**{kind: text}, grammar_field=f"sampling_params.{kind}")
+    for _ in range(2):  # the refusal is cached too
+        with pytest.raises(RequestError) as e:
+            asyncio.run(compiler.compile(params))
+        assert e.value.status == 400
+        assert str(e.value).startswith(f"sampling_params.{kind}: cannot compile the {kind}: ")
+        assert says in str(e.value) and "/project/" not in str(e.value)
+    with pytest.raises(ValueError, match=f"^sampling_params.{kind}: "):
+        compiler.compile_now(params)
+    compiler.close()
+
+
+def test_a_compile_past_its_deadline_is_a_503_and_a_retry_finds_it(llm):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    gate = threading.Event()
+    inner = compiler._compile
+    compiler._compile = lambda kind, text: gate.wait() and inner(kind, text)
+    params = SamplingParams(regex="a+", grammar_field="regex")
+    with pytest.raises(RequestError) as e:
+        asyncio.run(compiler.compile(params, timeout_s=0.05))
+    assert e.value.status == 503 and str(e.value).startswith("regex: ")
+    gate.set()
+    assert asyncio.run(compiler.compile(params, timeout_s=10)).kind == "regex"
+    compiler.close()
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({"json_schema": "{}", "regex": "a"}, "json_schema and regex are exclusive"),
+    ({"regex": "a", "ebnf": "root ::= 'a'"}, "regex and ebnf are exclusive"),
+    ({"regex": "a", "min_new_tokens": 2, "max_new_tokens": 4}, "min_new_tokens cannot be combined with regex"),
+    ({"ebnf": " "}, "ebnf is empty"),
+])
+def test_sampling_params_take_one_grammar(fields, says):
+    with pytest.raises(ValueError, match=says):
+        SamplingParams(**fields).validate()
+
+
+# ---- outputs from random weights ----------------------------------------------------------------------------------
+
+
+def sampled(n: int, **grammar) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=300, temperature=1.0, seed=seed, **grammar) for seed in range(n)]
+
+
+def test_json_schema_outputs_are_valid_json_under_the_schema(llm):
+    outs = llm.generate(["hi"] * 4, sampled(4, json_schema=json.dumps(SCHEMA)))
+    for out in outs:
+        assert out.finish_reason["type"] == "stop", out
+        jsonschema_rs.validate(SCHEMA, json.loads(out.text))
+    assert len({o.text for o in outs}) > 1, "four seeds, one output: sampling is not running under the mask"
+
+
+def test_regex_and_ebnf_outputs_match(llm):
+    for out in llm.generate(["a", "b", "c"], sampled(3, regex=REGEX)):
+        assert re.fullmatch(REGEX, out.text) and out.finish_reason["type"] == "stop", out
+    for out in llm.generate(["a", "b", "c"], sampled(3, ebnf=EBNF)):
+        assert EBNF_SHAPE.fullmatch(out.text) and out.finish_reason["type"] == "stop", out
+
+
+def test_constrained_and_free_rows_share_a_batch_and_the_free_ones_are_untouched(llm):
+    free = SamplingParams(max_new_tokens=12, temperature=0)
+    alone = llm.generate(["tell me", "more"], free)
+    mixed = llm.generate(["tell me", "x", "more", "y"],
+                         [free, SamplingParams(max_new_tokens=40, temperature=0, regex=REGEX), free,
+                          SamplingParams(max_new_tokens=300, temperature=0, json_schema=json.dumps(SCHEMA))])
+    assert [mixed[0].output_ids, mixed[2].output_ids] == [o.output_ids for o in alone]
+    assert re.fullmatch(REGEX, mixed[1].text)
+    jsonschema_rs.validate(SCHEMA, json.loads(mixed[3].text))
+
+
+def test_with_ignore_eos_a_terminated_grammar_still_ends_the_request(llm):
+    out = llm.generate(["hi"], SamplingParams(max_new_tokens=50, temperature=0, regex="[0-9]{3}", ignore_eos=True))[0]
+    assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason["type"] == "stop"
+    assert len(out.output_ids) == 4  # three digits and the end-of-sequence token that terminated the grammar
+
+
+def test_a_token_the_grammar_refuses_is_a_dead_end_finish(llm):
+    compiled = GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(SamplingParams(regex="[0-9]+"))
+    row = RowGrammar(compiled, "response_format")
+    seq = Sequence("r", [1], SamplingParams())
+    seq.output_ids = llm.tokenizer.encode("4")
+    row.advance(seq)
+    assert seq.finish_reason is None
+    seq.output_ids += llm.tokenizer.encode("x")
+    row.advance(seq)
+    assert seq.finish_reason["type"] == "abort"
+    assert seq.finish_reason["message"].startswith("grammar dead end: token ") and "response_format" in \
+        seq.finish_reason["message"]
+
+
+def test_fill_mask_covers_only_rows_with_a_grammar(llm):
+    compiled = GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(SamplingParams(regex="[0-9]"))
+    assert fill_mask([None, None], llm.config.vocab_size) is None
+    mask = fill_mask([None, RowGrammar(compiled, "regex"), None], llm.config.vocab_size)
+    assert mask.rows == [1] and mask.bits.shape == (1, -(-llm.config.vocab_size // 32))
+    digits = {llm.tokenizer.encode(str(d))[0] for d in range(10)}
+    allowed = {t for t in range(llm.config.vocab_size) if int(mask.bits[0, t // 32]) >> (t % 32) & 1}
+    assert allowed == digits
