@@ -1,12 +1,14 @@
 """A hypothesis state machine over the real Scheduler on a tiny random-weight model.
 
-Rules submit colocated and PD requests to one of two prefill peers (whose handshake answers now, later, never, or
+Rules submit colocated requests (some scoring their prompt from a random position, some generating nothing) and PD
+requests to one of two prefill peers (whose handshake answers now, later, never, or
 whose KV read fails), flood the queue's head with more requests for a third, stalled peer than one peer may look
 ahead for,
 answer or fail peers, land or fail reads, abort, step (running the L1<->L2 copies or leaving them in flight, as
 ``StepEngine`` lets a test decide) and step with a forward that raises. L1 is small, so requests retract and the
 tree evicts. After every rule the machine checks page ownership, queues, page-table rows, what a PD request
-waiting for its peer holds, and that every request ended with an answer it was allowed to get; at teardown it
+waiting for its peer holds, that every request ended with an answer it was allowed to get, and that a scored prompt
+got its log-probabilities once, equal to a cache-free forward's; at teardown it
 drives everything to completion and checks that every page came back.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import itertools
 import random
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -31,13 +34,14 @@ from hypothesis.stateful import (
 )
 
 from decode_worker.cache.hicache import HierarchicalCache
-from decode_worker.cache.pool import KVPool
+from decode_worker.cache.pool import KVPool, PageAllocator
 from decode_worker.core.lifecycle import ReqState
 from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
+from decode_worker.scheduler import admission
 from decode_worker.scheduler.admission import PEER_LOOKAHEAD, Admission
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import KVTransfer, Req
@@ -55,18 +59,22 @@ INJECTED = "injected forward failure"
 HITS: Counter[str] = Counter()  # what the rules and steps did, by name
 BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an unanswered peer", "peer answered late",
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
-            "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer")
+            "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
+            "scored prompt", "scored prompt after a cache hit")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
+SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
 STALLED = 3  # the port of the peer whose requests flood the queue's head
 
 
 class ScriptedPeer(PeerKV):
     """A decode role's prompt source whose prefill peer the machine scripts: per PD request its handshake is
     ``pending`` (not answered), ``answered`` or ``refused`` (answered with a failure, as a handshake error or
-    timeout does), and its KV read waits on a future the machine lands or fails."""
+    timeout does), and its KV read waits on a future the machine lands or fails. A read that lands writes the
+    prompt's real KV (from a cache-free forward) into the request's pages, as prefill's would."""
 
-    def __init__(self) -> None:
+    def __init__(self, model, pool: KVPool) -> None:
         super().__init__(self._read)
+        self.model, self.pool = model, pool
         self.peers: dict[str, str] = {}  # PD requests only
         self.reads: dict[str, asyncio.Future] = {}  # started reads, by request id
         self.received: set[str] = set()  # requests whose receive was called: admitted
@@ -100,7 +108,11 @@ class ScriptedPeer(PeerKV):
             raise RequestError(f"prefill handshake for {req.rid} timed out", 504, "timeout")
         future = self.reads[req.rid] = asyncio.get_running_loop().create_future()
         try:
-            return await future
+            landed = await future
+            if self.owns(req, pages):
+                kv = reference(self.model, tuple(req.seq.prompt_ids)).kv
+                self.pool.buffer[pages] = kv[req.prefix_pages:req.prefix_pages + len(pages)]
+            return landed
         finally:  # a real read writes into ``pages`` until it has unwound: they must still be this request's
             if not self.owns(req, pages):
                 self.stray_writes.append(req.rid)
@@ -113,7 +125,25 @@ def build(model, max_total_tokens: int, host_ratio: float, write_policy: str, ma
     engine = StepEngine(runner.pool, host) if host is not None else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", max_running=max_running,
-                     max_prefill_tokens=64, load_back_timeout_s=1e9, source=ScriptedPeer())
+                     max_prefill_tokens=64, load_back_timeout_s=1e9, source=ScriptedPeer(model, runner.pool))
+
+
+class Reference(NamedTuple):
+    logprobs: torch.Tensor  # [position, vocab]: log-softmax of each position's logits
+    kv: torch.Tensor  # the prompt's KV pages, in order
+
+
+REFERENCES: dict[tuple[int, ...], Reference] = {}  # per prompt, for the machine's one model
+
+
+def reference(model, ids: tuple[int, ...]) -> Reference:
+    """A cache-free forward of ``ids`` on a runner of its own: what prefill hands over, and what scoring must give."""
+    if ids not in REFERENCES:
+        runner = ModelRunner(model, 64, page_size=4)
+        pages = PageAllocator(runner.num_pages, reserved=1).alloc(-(-len(ids) // 4)).tolist()
+        logits = runner.forward(runner.build_batch([list(ids)], [0], [pages], all_logits=True))
+        REFERENCES[ids] = Reference(torch.log_softmax(logits.double(), -1), runner.pool.page_data(pages))
+    return REFERENCES[ids]
 
 
 async def cancel_all(tasks) -> None:
@@ -209,7 +239,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     def submit(self, prefix: int, tail: list[int], max_new: int, mode: str, port: int) -> None:
         self.add_request(PREFIXES[prefix] + tail, max_new, mode, port)
 
-    def add_request(self, prompt: list[int], max_new: int, mode: str, port: int) -> None:
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=TAILS, max_new=st.integers(0, 6), data=st.data())
+    def submit_scored(self, prefix: int, tail: list[int], max_new: int, data) -> None:
+        """A colocated request that scores its prompt from a random position (0 included, whose first entry has no
+        logprob), generating ``max_new`` tokens, 0 (score only) included: the cache may give it only the KV before
+        the first position it scores."""
+        prompt = PREFIXES[prefix] + tail
+        self.add_request(prompt, max_new, "colocated", 0, data.draw(st.integers(0, len(prompt) - 1)))
+
+    def add_request(self, prompt: list[int], max_new: int, mode: str, port: int, score_from: int | None = None) -> None:
         rid = f"r{self.count}"
         self.count += 1
         boot = None
@@ -217,7 +255,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.peer.peers[rid] = mode
             boot = Bootstrap("127.0.0.1", port, self.count)
         params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
-        self.sched.submit(GenerateInput(rid, prompt, params, bootstrap=boot))
+        self.sched.submit(GenerateInput(rid, prompt, params, bootstrap=boot, return_logprob=score_from is not None,
+                                        logprob_start=score_from))
         self.reqs[rid], self.events[rid], self.allowed[rid] = self.sched.requests[rid], [], set()
 
     @precondition(lambda self: not self.flooded)
@@ -405,6 +444,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             last = self.events[rid][-1] if self.events[rid] else None
             if rid in self.peer.peers and rid not in self.peer.received:
                 assert rid in self.peer.forgotten, f"{rid} ended before admission but its handshake was not stopped"
+            self.check_scored(rid, req)
             if req.state is S.FINISHED:
                 assert last is not None and last.error is None and last.finish_reason is not None, rid
                 assert tokens == req.inp.params.max_new_tokens, f"{rid} finished after {tokens} tokens"
@@ -412,6 +452,28 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert last is not None and last.error is not None, f"{rid} aborted without an error event"
                 assert last.error.status in self.allowed[rid], (
                     f"{rid} failed with {last.error.status} ({last.error}); allowed: {self.allowed[rid]}")
+
+    def check_scored(self, rid: str, req: Req) -> None:
+        """An ended request that scored its prompt got its logprobs in one event (none if it ended before its
+        extend), every one equal to a cache-free forward's; a request that did not score got none."""
+        scored = [e.prompt_logprobs for e in self.events[rid] if e.prompt_logprobs is not None]
+        start = req.inp.logprob_start
+        if start is None or not scored:
+            assert not scored, f"{rid} got prompt logprobs it did not ask for"
+            assert start is None or req.state is not S.FINISHED, f"{rid} finished without its prompt logprobs"
+            return
+        assert len(scored) == 1, f"{rid} got its prompt logprobs {len(scored)} times"
+        ids, got = req.seq.prompt_ids, scored[0]
+        assert got.start == start and len(got.logprobs) == len(ids) - start, (
+            f"{rid} scored {len(got.logprobs)} prompt logprobs from {got.start}, asked from {start} of {len(ids)}")
+        ref = reference(self.model, tuple(ids)).logprobs
+        for pos, lp in enumerate(got.logprobs, start):
+            if pos == 0:
+                assert lp is None, f"{rid} got a logprob for its first prompt token"
+            else:
+                assert abs(lp - ref[pos - 1, ids[pos]].item()) < SCORE_TOL, (
+                    f"{rid}'s prompt logprob at {pos} is {lp}, a cache-free forward gives {ref[pos - 1, ids[pos]]}")
+        HITS["scored prompt after a cache hit" if req.cached_tokens.get("device", 0) else "scored prompt"] += 1
 
     def check_all(self) -> None:
         self.pages_are_accounted_for()
@@ -551,6 +613,10 @@ def _one_window_for_all_peers(queue):
     return itertools.islice(queue, PEER_LOOKAHEAD)
 
 
+def _scored_prompts_match_the_whole_prompt(req):
+    return None
+
+
 fail, add, grow = Scheduler._fail, Queues.add, Scheduler._grow
 PLANTED = {
     "admits a request whose peer has not answered": (Admission, "_first_answered", _admit_unanswered,
@@ -573,6 +639,9 @@ PLANTED = {
     "a new request is queued twice": (Queues, "add", _queued_twice, "queues and live requests disagree"),
     "one look-ahead window for all peers": (Admission, "_peer_windows", staticmethod(_one_window_for_all_peers),
                                             "was not started"),
+    "a scored prompt takes cached KV past where it scores": (admission, "computed_before",
+                                                             _scored_prompts_match_the_whole_prompt,
+                                                             "prompt logprob|scored"),
 }
 
 
