@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import httpx
 import pytest
@@ -184,3 +185,56 @@ def test_a_model_by_id(targets):
     assert strict(raw, Model)["id"] == listed
     with pytest.raises(NotFoundError):
         client(url).models.retrieve("no-such-model")
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                "country": {"type": "string", "maxLength": 24}},
+               "required": ["city", "country"], "additionalProperties": False}
+CITY_QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in JSON: the city and its country."}]
+
+
+def test_json_schema_answers_through_pd_are_valid_and_equal_colocated(targets):
+    """Prefill samples the first token under the schema and decode carries on in the same grammar from it: the
+    greedy PD answer is the colocated one, whole and streamed, and the client's own parse() accepts it."""
+    import jsonschema_rs
+    from openai.types.chat import ChatCompletion
+    from pydantic import BaseModel, ConfigDict
+
+    class City(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: str
+        country: str
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    answers = {}
+    for name, url in targets.items():
+        raw = client(url).chat.completions.with_raw_response.create(
+            model="default", messages=CITY_QUESTION, max_tokens=40, temperature=0, response_format=fmt)
+        body = strict(raw, ChatCompletion)
+        answers[name] = body["choices"][0]["message"]["content"]
+        jsonschema_rs.validate(CITY_SCHEMA, json.loads(answers[name]))
+        assert body["choices"][0]["finish_reason"] == "stop"
+        chunks = client(url).chat.completions.create(model="default", messages=CITY_QUESTION, max_tokens=40,
+                                                     temperature=0, response_format=fmt, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answers[name]
+    assert answers["pd"] == answers["colocated"]
+    parsed = client(targets["pd"]).chat.completions.parse(model="default", messages=CITY_QUESTION, max_tokens=40,
+                                                          temperature=0, response_format=City)
+    assert parsed.choices[0].message.parsed == City.model_validate_json(answers["colocated"])
+
+
+def test_regex_shaped_answers_through_pd_on_every_route(targets):
+    from openai.types import Completion
+
+    shape = r" [A-Z][a-z]+\."
+    for name, url in targets.items():
+        raw = client(url).completions.with_raw_response.create(model="default", prompt=PROMPT, max_tokens=12,
+                                                                temperature=0.7, seed=3, extra_body={"regex": shape})
+        text = strict(raw, Completion)["choices"][0]["text"]
+        assert re.fullmatch(shape, text), (name, text)
+        out = httpx.post(url + "/generate", timeout=120, json={
+            "text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "regex": shape}}).json()
+        assert re.fullmatch(shape, out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop", (name, out)
+    obj = client(targets["pd"]).chat.completions.create(model="default", messages=CITY_QUESTION, max_tokens=40,
+                                                        temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
