@@ -1,6 +1,7 @@
 """Running a route's prompts once they have passed ``admit``: to the end (``collect``) or event by event
 (``stream_events``). Whatever the client stops waiting for is aborted in the scheduler, so an abandoned request
-frees its KV pages."""
+frees its KV pages. A stream that fails still ends every choice with a last event whose finish reason is an
+abort (SGLang's ``{"type": "abort", ...}``) before the error itself is raised to the SSE framing."""
 from __future__ import annotations
 
 import asyncio
@@ -45,6 +46,15 @@ class Collected:
         self.cached = event.cached_tokens or self.cached
         self.e2e_latency = time.monotonic() - self.started
 
+    def abort(self, error: Exception) -> TokenEvent:
+        """End this output with ``error``: the finish reason SGLang gives an aborted request, and the empty last
+        event that carries it, so a route builds its usual final chunk."""
+        status = error.status if isinstance(error, RequestError) else 500
+        message = str(error) if isinstance(error, RequestError) else f"internal error: {type(error).__name__}"
+        self.finish_reason = {"type": "abort", "message": message, "status_code": status}
+        self.e2e_latency = time.monotonic() - self.started
+        return TokenEvent([], [], finish_reason=self.finish_reason)
+
     @property
     def ids(self) -> list[int]:
         """Output token ids; the detokenizer keeps the one list."""
@@ -70,9 +80,13 @@ async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
         await engine.compile_grammar(inp)
 
 
-async def _start(engine: Engine, inp: GenerateInput) -> tuple[RequestStream, Collected]:
+def _collected(engine: Engine, inp: GenerateInput) -> Collected:
     skip = inp.params.skip_special_tokens
-    return await engine.submit(inp), Collected(inp, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=skip))
+    return Collected(inp, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=skip))
+
+
+async def _start(engine: Engine, inp: GenerateInput) -> tuple[RequestStream, Collected]:
+    return await engine.submit(inp), _collected(engine, inp)
 
 
 async def _drain(stream: RequestStream, c: Collected) -> Collected:
@@ -137,22 +151,28 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tuple[Collected, TokenEvent]]:
     """Each event with the output so far; a stream left before its end (the client went away, or an error)
-    aborts the request."""
-    stream, c = await _start(engine, inp)
+    aborts the request. A failure first yields an abort event (``Collected.abort``), then raises."""
+    c = _collected(engine, inp)
+    stream: RequestStream | None = None
     finished = False
     try:
+        stream = await engine.submit(inp)
         async for event in stream:
             c.add(event)
             yield c, event
         finished = True
+    except Exception as e:
+        yield c, c.abort(e)
+        raise
     finally:
-        if not finished:
+        if not finished and stream is not None:
             engine.abort(stream.rid)
 
 
 async def interleave(engine: Engine, inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Collected, TokenEvent]]:
     """Every prompt's events as they come, with the prompt's index: a batch streams all its prompts at once. The
-    first error ends the whole stream, and leaving it early aborts what still runs."""
+    first error ends the whole stream: each prompt not finished yet gets its abort event, then the error is raised.
+    Leaving the stream early aborts what still runs."""
     queue: asyncio.Queue[tuple[int, Collected | None, TokenEvent | None, Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, inp: GenerateInput) -> None:
@@ -167,17 +187,28 @@ async def interleave(engine: Engine, inputs: list[GenerateInput]) -> AsyncIterat
             queue.put_nowait((i, None, None, None))
 
     tasks = [asyncio.ensure_future(pump(i, inp)) for i, inp in enumerate(inputs)]
+    outputs: dict[int, Collected] = {}
     try:
         running = len(tasks)
         while running:
             i, c, event, error = await queue.get()
             if error is not None:
+                await _cancel(tasks)
+                for j, inp in enumerate(inputs):  # the failed prompt's own abort event came before its error
+                    if (c := outputs.get(j)) is None or c.finish_reason is None:
+                        c = c or _collected(engine, inp)
+                        yield j, c, c.abort(error)
                 raise error
             if c is None:
                 running -= 1
             else:
+                outputs[i] = c
                 yield i, c, event
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

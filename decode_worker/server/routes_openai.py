@@ -292,4 +292,9 @@ def _include_usage(body: OpenAISampling) -> bool:
 
 
 def _finish(c: Collected) -> str | None:
-    return None if c.finish_reason is None else c.finish_reason["type"]
+    """An aborted choice (a failed stream, a grammar dead end) says ``content_filter``: OpenAI documents no abort
+    reason, and of the ones it does only that one means "cut short by the server, not complete" (a failed
+    stream's error event follows it and says why)."""
+    if c.finish_reason is None:
+        return None
+    return "content_filter" if c.finish_reason["type"] == "abort" else c.finish_reason["type"]

@@ -261,6 +261,8 @@ def test_abort_request_ends_a_live_stream_and_get_version_answers(server):
         assert post(server, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 1}
         rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert rest[-1]["error"]["code"] == 499
+    reason = rest[-2]["meta_info"]["finish_reason"]  # the last chunk keeps the tokens streamed and says abort
+    assert reason["type"] == "abort" and reason["status_code"] == 499 and rest[-2]["output_ids"], rest[-2]
     assert post(server, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 0}
     assert httpx.get(server.url + "/get_version").json()["version"]
     wait_pages_free(server)
