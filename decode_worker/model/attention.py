@@ -1,5 +1,12 @@
-"""Paged attention over the KV pool: batched decode through the page table, extend per request."""
+"""Paged attention over the KV pool: batched decode through the page table, extend per request.
+
+Every layer of a step writes and reads the same token slots, and every layer's page view has the same strides,
+so the indices are worked out once per step (``StepPlan``), not once per layer: on CPU, where each small op costs
+microseconds of dispatch, that is most of the attention's time at small batches.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,28 +18,75 @@ from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
 
 
-def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-    write_kv(pool.k_pages(layer), pool.v_pages(layer), fb.out_slots, k, v)
+@dataclass
+class StepPlan:
+    """One step's indices, shared by every layer, K and V.
+
+    ``write_rows``: rows of ``slot_rows`` the new tokens' K/V go to. Extend: ``context_rows``, every request's
+    context back to back. CPU decode: ``pages``, each request's first pages flat ``[B * P]``, and ``visible``
+    ``[B, 1, 1, P * page_size]``, which of those slots hold its tokens (CUDA decode reads the page table in its
+    kernel, without a host sync, so that CUDA graphs can capture it)."""
+
+    write_rows: torch.Tensor
+    context_rows: torch.Tensor | None = None
+    pages: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
 
-def attend(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+def plan_step(pool: KVPool, fb: ForwardBatch) -> StepPlan:
+    _, rows_per_page = slot_rows(pool.k_pages(0))
+    plan = StepPlan(slot_index(fb.out_slots, pool.page_size, rows_per_page))
+    if not fb.is_decode:
+        plan.context_rows = slot_index(fb.context_slots, pool.page_size, rows_per_page)
+    elif not fb.seq_lens.is_cuda:
+        num_pages = min(fb.page_table.shape[1], -(-int(fb.seq_lens.max()) // pool.page_size))
+        plan.pages = fb.page_table[:, :num_pages].reshape(-1)
+        slots = torch.arange(num_pages * pool.page_size, device=fb.seq_lens.device)
+        plan.visible = (slots < fb.seq_lens[:, None])[:, None, None, :]
+    return plan
+
+
+def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_pages, v_pages = pool.k_pages(layer), pool.v_pages(layer)
+    if k_pages.is_cuda:
+        write_kv(k_pages, v_pages, fb.out_slots, k, v)
+    else:
+        slot_rows(k_pages)[0].index_copy_(0, plan.write_rows, k.to(k_pages.dtype))
+        slot_rows(v_pages)[0].index_copy_(0, plan.write_rows, v.to(v_pages.dtype))
+
+
+def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of the step's queries ``[T, Hq, D]`` over everything in the pool for each request."""
-    if fb.is_decode:
+    if not fb.is_decode:
+        return _extend_attention(pool, layer, fb, plan, q, scale)
+    if plan.pages is None:
         return paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), fb.page_table, fb.seq_lens, scale)
-    return _extend_attention(pool, layer, fb, q, scale)
+    return _planned_decode_attention(pool, layer, plan, q, scale)
 
 
-def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The CPU decode step: each request's pages gathered into ``[B, Hkv, L, D]`` (``index_select`` on whole pages)
+    and one masked SDPA for the batch, q viewed as ``[B, Hkv, group, D]`` so K/V are never repeated per head."""
+    batch, num_q_heads, head_dim = q.shape
+    k_pages, v_pages = pool.k_pages(layer), pool.v_pages(layer)
+    kv_heads = k_pages.shape[2]
+    length = plan.visible.shape[-1]
+    k = k_pages.index_select(0, plan.pages).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = v_pages.index_select(0, plan.pages).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    queries = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=plan.visible, scale=scale)
+    return out.reshape(batch, num_q_heads, head_dim)
+
+
+def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor,
+                      scale: float) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix plus themselves.
 
-    One gather per layer brings every request's K/V together (``fb.context_slots``, turned into rows of the
-    layer's page view); the loop over requests then only slices, with lengths the host already knows, so no step
-    waits for the device."""
-    k_rows, rows_per_page = slot_rows(pool.k_pages(layer))
-    v_rows, _ = slot_rows(pool.v_pages(layer))
-    rows = slot_index(fb.context_slots, pool.page_size, rows_per_page)
-    k_ctx = k_rows.index_select(0, rows)  # [sum seq_lens, Hkv, D]
-    v_ctx = v_rows.index_select(0, rows)
+    One gather per layer brings every request's K/V together (``plan.context_rows``, rows of the layer's page
+    view); the loop over requests then only slices, with lengths the host already knows, so no step waits for the
+    device."""
+    k_ctx = slot_rows(pool.k_pages(layer))[0].index_select(0, plan.context_rows)  # [sum seq_lens, Hkv, D]
+    v_ctx = slot_rows(pool.v_pages(layer))[0].index_select(0, plan.context_rows)
     out = torch.empty_like(q)
     start = ctx_start = 0
     for prefix, seq_len in zip(fb.prefix_lens, fb.host_seq_lens):
@@ -62,4 +116,3 @@ def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
-

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +55,27 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().float()
         self.sin = freqs.sin().float()
 
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        """The step's rows of the tables, looked up once and shared by every layer."""
+        return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rope = self.tables(positions)
+        return rope.rotate(q), rope.rotate(k)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+@dataclass
+class RopeTables:
+    """cos/sin ``[T, 1, D/2]`` of one step's positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, D]`` rotated (rotate-half), computed in at least float32."""
+        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+        cos, sin = self.cos, self.sin
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -92,10 +105,9 @@ class AttentionProjections(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        return q, k, v
+    def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated (in one pass over both), v ``[T, Hkv, D]``."""
+        qk, v = self.qkv_proj(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
+        qk = rope.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from decode_worker.cache.pool import KVPool
-from decode_worker.model.attention import attend, store_kv
+from decode_worker.model.attention import attend, plan_step, store_kv
 from decode_worker.model.config import ModelConfig
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
@@ -35,11 +35,12 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run one step, writing the new tokens' K/V into ``pool``; returns float32 logits ``[rows, vocab]``."""
         h = self.embed_tokens(fb.input_ids)
+        rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb)  # shared by every layer
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), fb.positions, self.rotary)
-            store_kv(pool, i, fb, k, v)
-            o = attend(pool, i, fb, q, self.scale)
+            q, k, v = attn.qkv(layer.input_layernorm(h), rope)
+            store_kv(pool, i, fb, plan, k, v)
+            o = attend(pool, i, fb, plan, q, self.scale)
             h = h + attn.o_proj(o.reshape(o.shape[0], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[fb.logits_indices])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
-from decode_worker.model.attention import attend
+from decode_worker.model.attention import attend, plan_step
 from decode_worker.model.forward_batch import ForwardBatch
 
 PAGE = 4
@@ -73,10 +73,27 @@ def test_extend_attention_reads_nothing_back(monkeypatch: pytest.MonkeyPatch):
     pool.buffer.normal_()
     fb = ForwardBatch.build([[1, 2, 3], [4, 5]], [0, 6], [[1, 2], [3, 4]], PAGE, CPU)
     q = torch.randn(5, 4, 8)
-    expected = attend(pool, 0, fb, q, 0.3)
+    plan = plan_step(pool, fb)
+    expected = attend(pool, 0, fb, plan, q, 0.3)
     reads = []
     for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
-    out = attend(pool, 0, fb, q, 0.3)
+    out = attend(pool, 0, fb, plan, q, 0.3)
     assert reads == [] and torch.equal(out, expected)
+
+
+def test_a_decode_step_reads_the_device_once_not_once_per_layer(tiny_models, monkeypatch: pytest.MonkeyPatch):
+    """The step's indices (KV rows, pages, mask) are planned once for every layer: the CPU decode step's only read
+    of a tensor (its longest request, which sizes the gather) happens once per step, not once per layer."""
+    from decode_worker.model.loader import load_model
+    from decode_worker.model.runner import ModelRunner
+
+    runner = ModelRunner(load_model(tiny_models["llama"], tokenizer=False), max_total_tokens=256, page_size=PAGE)
+    assert runner.config.num_layers > 1
+    fb = runner.build_batch([[1], [2]], [5, 9], [[1, 2], [3, 4, 5]])
+    reads = []
+    original = torch.Tensor.__int__
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: reads.append(1) or original(self))
+    runner.forward(fb)
+    assert len(reads) == 1
