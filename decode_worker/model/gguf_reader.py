@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from decode_worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from decode_worker.model.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from decode_worker.model.quant import Q4Blocks, packable
 
 _TENSOR_NAMES = {
@@ -24,21 +25,18 @@ _TENSOR_NAMES = {
 }
 
 
-def open_gguf(path: Path):
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct errors or memmap errors on damage
+        return read_gguf(path)
+    except (GGUFFormatError, OSError, ValueError) as e:  # ValueError: numpy cannot map an empty file
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader, name: str) -> ModelConfig:
+def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -76,7 +74,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
+def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
     """Yield every tensor under its Hugging Face name: dequantized to float32, or with ``keep_q4`` a Q4_1 layer
     matrix the int4 kernel can take as ``Q4Blocks`` (the embedding and norms are always dequantized)."""
     from gguf import GGMLQuantizationType

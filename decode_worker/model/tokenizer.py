@@ -1,11 +1,18 @@
 """Tokenizer and chat template for a model directory or GGUF file (through transformers' tokenizers)."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decode_worker.model.config import ModelLoadError
+from decode_worker.model.embedded import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -18,10 +25,7 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         try:
-            if path.is_file():
-                backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            else:
-                backend = AutoTokenizer.from_pretrained(str(path))
+            backend = _from_gguf(path) if path.is_file() else AutoTokenizer.from_pretrained(str(path))
         except Exception as e:
             raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}") from e
         eos = set(eos_token_ids)
@@ -53,3 +57,42 @@ class Tokenizer:
         text = self.backend.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                 tools=tools)
         return self.encode(text)
+
+
+def _from_gguf(path: Path) -> Any:
+    """The tokenizer a GGUF file carries, converted once and then read from the cache folder: transformers'
+    conversion parses the whole file again on every start, a saved fast tokenizer loads in a fraction of that."""
+    from transformers import AutoTokenizer
+
+    saved = converted_tokenizer_dir(path)
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises bare Exception): a damaged entry, converted again
+            log.warning("converting the tokenizer of %s again: its cached copy in %s does not load (%s)", path, saved, e)
+            shutil.rmtree(saved, ignore_errors=True)
+    backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    _save(backend, saved)
+    return backend
+
+
+def converted_tokenizer_dir(path: Path) -> Path:
+    """Where ``path``'s converted tokenizer is kept: named by the file's identity and the converter's version, so a
+    replaced model file or a new transformers converts again."""
+    import transformers
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save(backend: Any, target: Path) -> None:
+    """Write the converted tokenizer beside the others, whole or not at all (another worker may race for it)."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        backend.save_pretrained(str(partial))
+        partial.rename(target)
+    except OSError as e:  # a read-only cache folder, or another worker saved it first
+        log.info("the converted tokenizer was not kept in %s (%s)", target, e)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
