@@ -45,4 +45,13 @@ class LlamaModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[fb.logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, head).float()
+        return _logits(h, head).float()
+
+
+def _logits(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """``h @ head.T``. One 16-bit row on CPU goes through ``torch.mv``: the vocabulary matrix is the largest read of
+    a batch-1 step, and CPU GEMM kernels take it as a matrix product of one row far slower than the matrix-vector
+    kernel does."""
+    if h.shape[0] == 1 and h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float16):
+        return torch.mv(head, h[0]).unsqueeze(0)
+    return torch.nn.functional.linear(h, head)

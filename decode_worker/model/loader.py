@@ -18,7 +18,7 @@ from decode_worker.model.weights import load_weights, weights_digest
 
 
 # Inputs of at least this many rows (tokens in a step) use an int4 layer's dense copy; None keeps no dense copy.
-INT4_DENSE_FROM_ROWS: int | None = 8
+INT4_DENSE_FROM_ROWS: int | None = 12
 
 
 @dataclass
