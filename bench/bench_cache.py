@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
-from decode_worker.cache.radix_tree import TOKEN_BYTES, chain_hashes, token_key
 from decode_worker.cache.storage import FileStore, StorageTier
 from decode_worker.core.policies import EvictionPolicy
+from decode_worker.core.sequence import TOKEN_BYTES
 
 SGLANG_RADIX = Path(__file__).with_name("sglang_radix.py")  # SGLang's RadixCache, loaded only by vs_sglang
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from decode_worker.cache.handles import cat_pages
 from decode_worker.cache.hicache import HierarchicalCache
-from decode_worker.cache.pool import FREE, PageAllocator
-from decode_worker.cache.radix_tree import Key, RadixTree, TreeNode
+from decode_worker.cache.node import Key, TreeNode
+from decode_worker.cache.pool import FREE, PageAllocator, cat_pages
+from decode_worker.cache.radix_tree import RadixTree
 
 
 def key_tokens(key: Key) -> tuple[int, ...]:
@@ -28,7 +28,7 @@ def prefix_key(tree: RadixTree, node: TreeNode) -> Key:
 
 def draining_pages(cache: HierarchicalCache) -> int:
     """L1 pages that copies free once they land (write_back demotions, undone loads): allocatable soon."""
-    return cache._draining
+    return cache.pages.draining
 
 
 def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
@@ -37,7 +37,7 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
     ``prefetch_pages`` L2 pages held outside it (taken with ``alloc_host``, not yet attached or freed)."""
     tree, root = cache.tree, cache.tree.root
     dev, host, locked_dev = [], [], 0
-    pending = set(cache._pending)
+    pending = set(cache.copies.queue)
     for node in tree.nodes():
         parent, k = node.parent, cache.tree.num_pages(node)
         assert node.key and len(node.key) % tree.page_bytes == 0, f"{node} is not page aligned"
@@ -61,8 +61,8 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
     assert len(np.unique(dev_pages)) == len(dev_pages), "an L1 page is held by two nodes"
     assert not bool((dev_pages < cache.device_alloc.reserved).any()), "a reserved L1 page is in the tree"
     assert tree.device_pages == len(dev_pages) and tree.locked_device_pages == locked_dev, "L1 counters"
-    assert cache._draining == sum(len(op.drain) for op in cache._pending), "draining pages"
-    held = tree.device_pages + cache._draining
+    assert cache.pages.draining == sum(len(op.drain) for op in cache.copies.queue), "draining pages"
+    held = tree.device_pages + cache.pages.draining
     used = cache.device_alloc.num_used
     assert used >= held, f"L1: {used} pages allocated but the tree holds {held}"
     if request_pages is not None:
@@ -70,10 +70,10 @@ def check_invariants(cache: HierarchicalCache, request_pages: int | None = None,
     host_pages = cat_pages(host)
     assert len(np.unique(host_pages)) == len(host_pages), "an L2 page is held by two nodes"
     host_used = 0 if cache.host_alloc is None else cache.host_alloc.num_used
-    held = len(host_pages) + cache._host_out
-    assert host_used == held, f"L2: {host_used} allocated != {len(host_pages)} in tree + {cache._host_out} out"
+    held = len(host_pages) + cache.pages.host_out
+    assert host_used == held, f"L2: {host_used} allocated != {len(host_pages)} in tree + {cache.pages.host_out} out"
     if prefetch_pages is not None:
-        assert cache._host_out == prefetch_pages, f"L2: {cache._host_out} pages out != {prefetch_pages} prefetching"
+        assert cache.pages.host_out == prefetch_pages, f"L2: {cache.pages.host_out} pages out != {prefetch_pages} prefetching"
     check_evictable_leaves(tree)
     check_host_counts(cache)
     for alloc in (cache.device_alloc, cache.host_alloc):

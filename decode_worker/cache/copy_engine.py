@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from math import prod
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,7 +26,20 @@ from decode_worker.core.host_memory import pin_in_place
 STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes through in chunks
 
 
+class PageCopier(Protocol):
+    """What the cache asks of a copy engine: page copies between its L1 and L2 buffers, by page ids, run in
+    submission order; each returns a future that is done when the pages are in place."""
+
+    def load(self, host_pages: PageIds, device_pages: PageIds) -> Future: ...
+
+    def backup(self, device_pages: PageIds, host_pages: PageIds) -> Future: ...
+
+    def close(self) -> None: ...
+
+
 class CopyEngine:
+    """``PageCopier`` on one worker thread (see the module docstring)."""
+
     def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor, staging_bytes: int = STAGING_BYTES):
         self.device_buffer = device_buffer
         self.host_buffer = host_buffer

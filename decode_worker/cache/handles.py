@@ -1,27 +1,20 @@
 """What a caller of the cache holds: a ``MatchResult`` (read-only), a ``LoadHandle`` (a locked prefix and its
-pages) and the ``LoadBackError`` its ``wait`` raises. The cache's own bookkeeping lives in the other modules.
+pages) and the ``LoadBackError`` its ``wait`` raises.
 
-Page ids are int64 numpy arrays here as everywhere in the cache (``pool.page_ids`` says why)."""
+A handle knows the copies its prefix waits for and one callback, ``settle``, that applies finished copies (the
+cache's ``poll``); it never reaches into the cache.
+"""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from decode_worker.cache.radix_tree import Key, TreeNode
-
-if TYPE_CHECKING:
-    from decode_worker.cache.hicache import HierarchicalCache
-    from decode_worker.cache.tiers import PendingCopy
-
-NO_PAGES = np.empty(0, dtype=np.int64)
-
-
-def cat_pages(parts: list[np.ndarray]) -> np.ndarray:
-    """Page arrays end to end (no copy for one part; an empty array for none)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_PAGES
+from decode_worker.cache.copies import PendingCopy
+from decode_worker.cache.node import Key, TreeNode
+from decode_worker.cache.pool import NO_PAGES
 
 
 class LoadBackError(RuntimeError):
@@ -50,21 +43,22 @@ class MatchResult:
 class LoadHandle:
     """A locked prefix, its pending load-back and the request's delta pages."""
 
-    cache: HierarchicalCache
     node: TreeNode  # deepest locked node (the root when nothing matched)
     device_indices: np.ndarray  # L1 pages of the whole prefix; valid once wait() returns
     delta_pages: np.ndarray  # pages allocated for the rest of the request, owned by the handle
     device_hit_tokens: int
     restored_tokens: int
     waits: list[PendingCopy]
+    page_size: int
+    settle: Callable[[], object]  # applies finished copies, in order (the cache's ``poll``)
     released: bool = False
 
     @property
     def prefix_tokens(self) -> int:
-        return len(self.device_indices) * self.cache.page_size
+        return len(self.device_indices) * self.page_size
 
     def ready(self) -> bool:
-        self.cache.poll()
+        self.settle()
         return all(op.ok is not None for op in self.waits)
 
     async def wait(self) -> None:
@@ -74,7 +68,7 @@ class LoadHandle:
             for f in done:
                 if not f.cancelled():
                     f.exception()  # retrieved so asyncio does not log it; reported below as LoadBackError
-            self.cache.poll()  # copies finish in order, so everything up to ours is done
+            self.settle()  # copies finish in order, so everything up to ours is done
         if not all(op.ok for op in self.waits):
             raise LoadBackError(f"load-back of a {self.prefix_tokens}-token prefix failed")
 
@@ -84,3 +78,17 @@ class LoadHandle:
         pages = np.concatenate((prefix, delta)) if len(prefix) else delta  # a miss: the delta is all the caller's
         self.delta_pages = NO_PAGES
         return pages
+
+
+@dataclass(frozen=True)
+class FlushOutcome:
+    """What ``flush_settled`` dropped and what stayed cached."""
+
+    dropped_tokens: int
+    kept_tokens: int  # on a node still locked: a running request's prefix, or a copy outlasting the wait
+    copies_waited_for: int  # copies in flight when the flush was asked
+    copies_in_flight: int  # copies still in flight when it ran
+
+    @property
+    def complete(self) -> bool:
+        return self.kept_tokens == 0

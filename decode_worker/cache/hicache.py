@@ -1,90 +1,55 @@
-"""Hierarchical radix KV cache: one radix tree over an L1 (device) and an optional L2 (host) page pool.
+"""Hierarchical radix KV cache: one radix tree over an L1 (device) and an optional L2 (host) page pool, with an
+optional L3 tier behind L2. How its parts fit, and who may touch a page: docs/architecture.md ("The cache").
 
 A request uses it in two phases so that the budget is checked before anything moves:
 
     key = token_key(prompt_ids)                    # once per request (match and insert both take it)
     m = cache.match(key)                           # read-only: L1 hit, L2 hit, nodes to restore
     h = cache.load_back_and_lock(m, extra_pages=n) # one eviction batch, lock, start L2->L1, pages for the delta
-    ...receive the delta KV into h.delta_pages...
     await h.wait()                                 # load-back finished; raises LoadBackError if it failed
-    h, pages = cache.cache_in_flight(h, computed_ids, pages)  # optional, while running: share computed pages now
-    ...decode, taking more pages with cache.alloc_device...
+    h, pages = cache.cache_in_flight(h, computed_ids, pages)  # optional: share computed pages now
     cache.insert(token_key(all_ids), pages)        # on finish or retraction; pages = h.take_pages() + decode's
     cache.release(h)                               # unlock; frees whatever the handle still owns
 
-``release`` is also the abort path: before ``take_pages`` it frees the delta pages with the lock, so an aborted
-request gives back exactly what it took. A load-back it started is not cancelled (another request may already
-share the restored nodes): the copy holds its own lock, finishes, and drops that lock at the next ``poll``.
+``release`` is also the abort path. A load-back it started is not cancelled (another request may share the
+restored nodes): the copy holds its own lock, finishes, and drops it at the next ``poll``.
 
-With an L3 ``StorageTier``, a request first looks up what lies past its L1 + L2 hit (``storage_keys``), takes L2
-pages for it (``alloc_host``), lets the tier prefetch into them, and hands the pages that arrived to
-``insert_host``, which hangs them under the matched path as host-only nodes; the two phases above then restore
-them to L1. Pages reach L3 after they reach L2: each successful L1->L2 copy queues an L2->L3 backup of its nodes
-(all of them, or under ``hit_twice`` those hit at least twice; a node already on L2 is queued on its second hit).
+Tiers per node: device-only, device+host, host-only; device nodes are closed under ancestors. A node that loses
+its last tier is removed with its subtree; a locked one (a gap) stays, unmatched, until its last unlock. Each copy
+in flight holds a lock on the nodes it reads or writes, so neither tier frees pages under a running copy.
 
-Tiers per node: device-only, device+host, host-only. Device nodes are closed under ancestors (a parent is on
-device when a child is). A node that loses its last tier is removed with its subtree; a locked one (a gap) stays,
-unmatched, with whatever hangs below it, until its last unlock drops them. Copies run on the ``CopyEngine`` in
-submission order; each pending copy holds a lock on the nodes it reads or writes, so neither tier can free pages
-under a running copy.
-
-The work is split by job: ``handles`` (what a caller holds), ``tiers`` (L1/L2 pages and the copies between them),
-``eviction`` (victims and eviction batches), ``l3`` (the L3 glue) and ``stats`` (what the cache reports). The
-last three are mixins of ``HierarchicalCache``, which keeps all the state (``__init__``) and the request flows.
+Long because one class owns the tree's meaning, as the design asks: the parts it composes (allocation, copy
+bookkeeping, copy engine, L3 link, eviction order) hold state and no decisions about nodes, and splitting the
+decisions across modules again is what the former mixins did.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import deque
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterable
+from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
-from decode_worker.cache.copy_engine import CopyEngine
-from decode_worker.cache.eviction import EvictionMixin, rank_key
-from decode_worker.cache.handles import NO_PAGES, LoadBackError, LoadHandle, MatchResult, cat_pages
-from decode_worker.cache.l3 import StorageMixin
-from decode_worker.cache.pool import KVPool, PageAllocator, PageIds, page_ids
-from decode_worker.cache.radix_tree import Key, RadixTree, Tokens, TreeNode, token_key
-from decode_worker.cache.stats import CacheCounters, CacheStats, TierPages
-from decode_worker.cache.tiers import SELECTIVE_HITS, PendingCopy, TierMixin
-from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy
-
-if TYPE_CHECKING:
-    from decode_worker.cache.storage.tier import StorageTier
+from decode_worker.cache.allocation import Allocation
+from decode_worker.cache.copies import CopiesInFlight, PendingCopy
+from decode_worker.cache.copy_engine import CopyEngine, PageCopier
+from decode_worker.cache.handles import FlushOutcome, LoadBackError, LoadHandle, MatchResult
+from decode_worker.cache.node import Key, Tokens, TreeNode, token_key
+from decode_worker.cache.pool import NO_PAGES, KVPool, PageAllocator, PageIds, cat_pages, page_ids
+from decode_worker.cache.radix_tree import RadixTree
+from decode_worker.cache.stats import CacheCounters, CacheStats
+from decode_worker.cache.storage.link import SELECTIVE_HITS, StorageLink
+from decode_worker.cache.storage.tier import StorageTier
+from decode_worker.cache.strategy import eviction_order
+from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy, parse_policy
 
 __all__ = ["FlushOutcome", "HierarchicalCache", "LoadBackError", "LoadHandle", "MatchResult"]
 
-P = TypeVar("P", bound=StrEnum)
 
-
-def parse_policy(cls: type[P], value: str, what: str) -> P:
-    """``cls(value)``, raising ValueError naming ``what``, the value and the choices."""
-    try:
-        return cls(value)
-    except ValueError:
-        raise ValueError(f"{what} {value!r} not in {tuple(m.value for m in cls)}") from None
-
-
-@dataclass(frozen=True)
-class FlushOutcome:
-    """What ``flush_settled`` dropped and what stayed cached."""
-
-    dropped_tokens: int
-    kept_tokens: int  # on a node still locked: a running request's prefix, or a copy outlasting the wait
-    copies_waited_for: int  # copies in flight when the flush was asked
-    copies_in_flight: int  # copies still in flight when it ran
-
-    @property
-    def complete(self) -> bool:
-        return self.kept_tokens == 0
-
-
-class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
-    """Radix tree + L1/L2 allocators + copy engine + write policy. Called from the event loop only."""
+class HierarchicalCache:
+    """The tree's meaning (match, insert, lock, evict, tier moves, copies in flight) over composed parts: the
+    page allocators (``Allocation``), the copy engine, the L3 link and the eviction order. Event loop only."""
 
     def __init__(
         self,
@@ -94,39 +59,52 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         write_policy: str = WritePolicy.WRITE_THROUGH,
         eviction: str = EvictionPolicy.SLRU,
         hash_seed: str | None = None,
-        engine: CopyEngine | None = None,
+        engine: PageCopier | None = None,
         storage: StorageTier | None = None,
         storage_backup_policy: str = StorageBackup.ALL,
     ):
         self.write_policy = parse_policy(WritePolicy, write_policy, "write policy")
-        self.eviction = parse_policy(EvictionPolicy, eviction, "eviction policy")
-        self.storage_backup_policy = parse_policy(StorageBackup, storage_backup_policy, "storage backup policy")
+        self.order = eviction_order(parse_policy(EvictionPolicy, eviction, "eviction policy"))
+        backup_policy = parse_policy(StorageBackup, storage_backup_policy, "storage backup policy")
         if storage is not None and host_pool is None:
             raise ValueError("L3 storage moves pages through L2: it needs a host pool")
         self.page_size = device_pool.page_size
         seed = device_pool.layout.fingerprint() if hash_seed is None else hash_seed
-        self.tree = RadixTree(self.page_size, seed, rank=rank_key(self.eviction))
-        self.device_alloc = PageAllocator(device_pool.num_pages, reserved=1)  # page 0: scratch
+        self.tree = RadixTree(self.page_size, seed, rank=self.order.rank)
+        self.pages = Allocation(device_pool.num_pages, host_pool.num_pages if host_pool is not None else None)
         self.host_pool = host_pool
-        self.host_alloc = PageAllocator(host_pool.num_pages) if host_pool is not None else None
-        self.storage = storage
-        self._host_out = 0  # L2 pages handed out by alloc_host, not yet attached or freed
+        self.l3 = StorageLink(storage, host_pool, backup_policy) if storage is not None else None
         if host_pool is not None and engine is None:
             engine = CopyEngine(device_pool.buffer, host_pool.buffer)
         self.engine = engine
+        self.copies = CopiesInFlight()
         self.counters = CacheCounters()
-        self._pending: deque[PendingCopy] = deque()
-        self._draining = 0  # L1 pages that pending copies free when done
         self._demoting: PendingCopy | None = None  # write_back victims of the eviction batch under way
 
-    # -- matching ---------------------------------------------------------------------------------------------
+    @property
+    def eviction(self) -> EvictionPolicy:
+        return self.order.policy
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self.l3.tier if self.l3 is not None else None
+
+    @property
+    def device_alloc(self) -> PageAllocator:
+        return self.pages.device
+
+    @property
+    def host_alloc(self) -> PageAllocator | None:
+        return self.pages.host
+
+    # -- matching and locking -------------------------------------------------------------------------------------
 
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix over L1 then L2, stopping at the first gap. Changes nothing."""
         key = token_key(tokens)
         tree = self.tree
         path, tail = tree.match(key)
-        ps, last = self.page_size, len(path) - 1
+        last = len(path) - 1
         dev_parts, restore = [], []
         device_pages, host_pages = 0, 0
         for i, node in enumerate(path):
@@ -141,24 +119,15 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             else:  # a gap (a node losing its last tier while locked)
                 path, tail = path[:i], (tree.num_pages(path[i - 1]) if i else 0)
                 break
-        return MatchResult(
-            key=key,
-            path=path,
-            tail_pages=tail,
-            device_hit_tokens=device_pages * ps,
-            host_hit_tokens=host_pages * ps,
-            device_indices=cat_pages(dev_parts),
-            restore_nodes=restore,
-            version=self.tree.version,
-        )
+        return MatchResult(key=key, path=path, tail_pages=tail, device_hit_tokens=device_pages * self.page_size,
+                           host_hit_tokens=host_pages * self.page_size, device_indices=cat_pages(dev_parts),
+                           restore_nodes=restore, version=tree.version)
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
         """Lock the matched path, allocate L1 pages for the restore plus ``extra_pages`` (evicting in one batch),
         and start the L2->L1 copy. Raises OutOfPages (or anything else) having taken nothing. The handle's prefix
-        plus delta pages always come to ``match``'s hit plus ``extra_pages``, even when the match is redone.
-
-        Finished copies are applied first, and the match is redone if the tree changed since it was taken: a
-        failed load or demotion applied later, in the middle of this call, would change tiers it already chose.
+        plus delta pages always come to ``match``'s hit plus ``extra_pages``, even when the match is redone: it is
+        redone when finished copies applied first changed the tree since it was taken.
         """
         self.poll()
         if match.version != self.tree.version:
@@ -169,7 +138,7 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             path[-1] = self._split(path[-1], match.tail_pages)
         last = path[-1] if path else self.tree.root
         restore = [n for n in path if n.device_indices is None]
-        n_restore = sum(len(n.key) for n in restore) // self.tree.page_bytes if restore else 0
+        n_restore = sum(self.tree.num_pages(n) for n in restore)
         self.tree.lock(last)
         pages = None
         try:
@@ -181,23 +150,22 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
                 self.device_alloc.free(pages)
             self.tree.unlock(last)
             raise
-        waits = list({n.loading: None for n in path if n.loading is not None}) if self._pending else []
+        waits = list({n.loading: None for n in path if n.loading is not None}) if self.copies else []
         self.tree.touch(last, hit=bool(path))
         self.counters.cached_device += match.device_hit_tokens
         self.counters.cached_host += n_restore * self.page_size
         if self.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self._backup(n for n in path if n.hit_count >= SELECTIVE_HITS)
-        self._store_on_hit(path)  # hit_twice: nodes on L2 hit for the 2nd time go to L3
-        return LoadHandle(
-            cache=self,
-            node=last,
-            # the path is locked: its L1 pages are still the match's, then the restored ones
-            device_indices=cat_pages([match.device_indices, pages[:n_restore]]) if restore else match.device_indices,
-            delta_pages=pages[n_restore:] if restore else pages,
-            device_hit_tokens=match.device_hit_tokens,
-            restored_tokens=n_restore * self.page_size,
-            waits=waits,
-        )
+        if self.l3 is not None:  # under hit_twice: nodes on L2 hit for the 2nd time go to L3
+            self._store(n for n in path if n.on_host and n.saving is None and self.l3.on_hit(n.hit_count))
+        # the path is locked: its L1 pages are still the match's, then the restored ones
+        prefix = cat_pages([match.device_indices, pages[:n_restore]]) if restore else match.device_indices
+        return self._handle(last, prefix, pages[n_restore:], match.device_hit_tokens, n_restore * self.page_size,
+                            waits)
+
+    def _handle(self, node: TreeNode, prefix: np.ndarray, delta: np.ndarray, device_hit: int, restored: int,
+                waits: list[PendingCopy]) -> LoadHandle:
+        return LoadHandle(node, prefix, delta, device_hit, restored, waits, self.page_size, settle=self.poll)
 
     def release(self, handle: LoadHandle) -> None:
         """Unlock the handle's prefix and free the pages it still owns (success, failure and abort alike)."""
@@ -210,15 +178,14 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         self._prune_gap_above(handle.node)
         self.poll()
 
-    # -- insertion ----------------------------------------------------------------------------------------------
+    # -- insertion --------------------------------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
         """Cache the full pages of ``tokens``; returns how many tokens were already cached on L1.
 
-        The tree takes ``device_pages[:full pages]``: pages for the new part are kept, pages that duplicate
-        cached data are freed, and an evicted (host-only) node on the path is revived with the given pages,
-        keeping its host copy. Pages past the last full page stay with the caller. ``backup`` backs the path up
-        to L2 now whatever the policy (a retracted request). The pages past a node whose load-back is still in
+        The tree takes ``device_pages[:full pages]``: pages duplicating cached data are freed, and an evicted
+        (host-only) node on the path is revived with the given pages, keeping its host copy. ``backup`` backs the
+        path up to L2 now whatever the policy (a retraction). Pages past a node whose load-back is still in
         flight are freed, not grafted below it.
         """
         key, device_pages = token_key(tokens), page_ids(device_pages)
@@ -231,13 +198,10 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         return cached * self.page_size
 
     def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
-        """Share a running request's computed full pages through the tree, so concurrent requests hit them now.
-
-        ``tokens``: the tokens whose KV is computed (their full pages count); ``pages``: the request's pages, the
-        handle's prefix first (after ``take_pages``). Like ``insert``, except that the pages past a node whose
-        load-back is in flight stay with the request, and the lock moves to the new deepest node. Returns the new
-        handle (the old one is spent) and the request's new page list: tree pages for the cached prefix (the
-        tree's copy replaces a duplicate, which is freed; same tokens, same KV), then the rest of ``pages``.
+        """Share a running request's computed full pages (``tokens``' KV; ``pages``: the handle's prefix first)
+        through the tree now. Like ``insert``, except that pages past a load-back in flight stay with the request
+        and the lock moves to the new deepest node. Returns the new handle (the old one is spent) and the
+        request's new pages: the tree's for the cached prefix (a duplicate is freed), then the rest of ``pages``.
         """
         if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
@@ -254,18 +218,16 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         self.tree.unlock(handle.node)
         handle.released = True
         tree_pages = cat_pages(parts)
-        new = LoadHandle(self, node, tree_pages, NO_PAGES, handle.device_hit_tokens, handle.restored_tokens, [])
+        new = self._handle(node, tree_pages, NO_PAGES, handle.device_hit_tokens, handle.restored_tokens, [])
         return new, np.concatenate((tree_pages, pages[pos:]))
 
     def _graft(
         self, key: Key, pages: np.ndarray, n: int, *, backup: bool, exact: bool
     ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
-        """Put ``pages[:n]`` (one per whole page of ``key``, which has ``n``) into the tree along ``key``, stopping
-        at a node whose L1 data is still arriving. Pages duplicating L1 data are freed; ``exact`` splits a node
-        that ``key`` ends inside, so that the returned node ends where the grafted part does.
-
-        Returns the deepest node reached, the number of pages grafted, how many of them were already on L1, and
-        (with ``exact``) the tree's L1 pages for them, in parts end to end.
+        """Put ``pages[:n]`` (one per whole page of ``key``) into the tree along ``key``, stopping at a node whose
+        L1 data is still arriving; pages duplicating L1 data are freed. ``exact`` splits a node that ``key`` ends
+        inside. Returns the deepest node reached, pages grafted, how many were already on L1, and (with
+        ``exact``) the tree's L1 pages for them, in parts end to end.
         """
         tree = self.tree
         path, tail = tree.match(key)
@@ -293,19 +255,338 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
             node, pos = child, pos + k
         else:
             if pos < n:
-                pb = self.tree.page_bytes
-                node = self.tree.add_child(node, key[pos * pb : n * pb], pages[pos:n])
+                node = tree.add_child(node, key[pos * tree.page_bytes : n * tree.page_bytes], pages[pos:n])
                 tree_pages.append(node.device_indices)
                 kept.append(node)
                 pos = n
         if dup:
             self.device_alloc.free(cat_pages(dup))
-        self.tree.touch(node)
+        tree.touch(node)
         if backup or self.write_policy == WritePolicy.WRITE_THROUGH:
             self._backup(kept)
         return node, pos, cached, tree_pages
 
-    # -- flushing -----------------------------------------------------------------------------------------------------
+    # -- L1 and L2 pages --------------------------------------------------------------------------------------------
+
+    def alloc_device(self, n: int) -> np.ndarray:
+        """``n`` L1 pages, evicting unlocked leaves in one batch if needed; raises OutOfPages taking nothing."""
+        self.poll()  # finished copies unlock nodes and return drained pages
+        return self._alloc_device(n)
+
+    def _alloc_device(self, n: int) -> np.ndarray:
+        short = self.pages.device_short(n)
+        if short > 0:
+            self.evict_device(short)
+        return self.pages.take_device(n, locked=self.tree.locked_device_pages)
+
+    def free_device(self, pages: PageIds) -> None:
+        """Return request-owned L1 pages that were never inserted (e.g. a partial last page)."""
+        self.device_alloc.free(pages)
+
+    def available_device_pages(self) -> int:
+        """Pages an allocation could get now or after evicting: the budget check before admitting a request."""
+        tree = self.tree
+        return self.device_alloc.num_free + self.pages.draining + tree.device_pages - tree.locked_device_pages
+
+    def pages_soon_free(self) -> int:
+        """L1 pages that copies in flight will make allocatable (drains) or evictable (nodes only a backup's lock
+        pins, e.g. a retracted request's). A request short of pages waits for these rather than take others'."""
+        pinned = self.copies.backup_pins()
+        return self.pages.draining + sum(
+            self.tree.num_pages(n) for n, locks in pinned.items() if n.on_device and n.lock_ref == locks
+        )
+
+    def _alloc_host(self, n: int) -> np.ndarray | None:
+        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises: a
+        write_back eviction batch calls it between marking victims and queueing their demotion."""
+        if self.host_alloc is None:
+            return None
+        short = self.pages.host_short(n)
+        if short > 0:
+            if short > self._host_evictable_pages():
+                return None  # evicting could not make room: keep L2 as it is
+            self.evict_host(short)
+        return self.pages.take_host(n)
+
+    # -- L3 ---------------------------------------------------------------------------------------------------------
+
+    def storage_keys(self, match: MatchResult) -> list[str]:
+        """L3 keys of the whole pages of ``match.key`` past its L1 + L2 hit (what a prefetch could add)."""
+        last = match.path[-1] if match.path else None
+        return self.tree.hashes_past(match.key, last, match.tail_pages, match.hit_tokens // self.page_size)
+
+    def alloc_host(self, n: int) -> np.ndarray | None:
+        """``n`` L2 pages for a prefetch, evicting host-only leaves if needed; None when L2 cannot make room.
+        The caller owns them until it passes them to ``insert_host`` or ``free_host``."""
+        pages = self._alloc_host(n)
+        if pages is not None:
+            self.pages.lend_host(pages)
+        return pages
+
+    def free_host(self, pages: PageIds) -> None:
+        """Return L2 pages from ``alloc_host`` that hold nothing worth keeping."""
+        self.pages.return_host(pages)
+
+    def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
+        """Attach L2 pages holding pages ``from_page, from_page + 1, ...`` of ``tokens`` as a host-only node.
+
+        The tree may have changed since the prefetch began, so this matches again: pages the tree now holds are
+        freed as duplicates, and if the pages before ``from_page`` are no longer cached, or a node in neither tier
+        blocks the spot, every page is freed. Returns the page indices of ``tokens`` the new node holds.
+        """
+        key, host_pages = token_key(tokens), page_ids(host_pages)
+        tree, pb = self.tree, self.tree.page_bytes
+        end = from_page + len(host_pages)
+        if end * pb > len(key):
+            raise ValueError(f"pages up to {end} of a {len(key) // pb}-page key")
+        parent, have, cut = tree.attach_point(key[: end * pb])
+        start = max(have, from_page)
+        if have < from_page or start >= end:
+            self.free_host(host_pages)
+            return range(0)
+        self.free_host(host_pages[: start - from_page])
+        if cut is not None:
+            parent = self._split(*cut)
+        tree.add_host_child(parent, key[start * pb : end * pb], host_pages[start - from_page :])
+        self.pages.attach_host(end - start)
+        return range(start, end)
+
+    def _store(self, nodes: Iterable[TreeNode]) -> None:
+        """Queue one L2 -> L3 backup of the nodes' pages."""
+        nodes = list(nodes)
+        keys = [k for n in nodes for k in self.tree.page_hashes(n)]
+        self.l3.store(keys, cat_pages([n.host_indices for n in nodes]))
+
+    # -- starting copies --------------------------------------------------------------------------------------------
+
+    def _backup(self, nodes: Iterable[TreeNode]) -> None:
+        """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
+        if self.host_alloc is None:
+            return
+        nodes = [n for n in nodes if n.on_device and not n.on_host and n.saving is None]
+        if not nodes:
+            return
+        host = self._alloc_host(sum(self.tree.num_pages(n) for n in nodes))
+        if host is None:
+            return
+        op = PendingCopy("backup", nodes=nodes, locked=list(nodes))
+        offset = 0
+        for node in nodes:
+            k = self.tree.num_pages(node)
+            self.tree.set_host(node, host[offset : offset + k])
+            offset += k
+            node.saving = op
+            self.tree.lock(node)
+        self.copies.add(op, self.engine.backup(cat_pages([n.device_indices for n in nodes]), host))
+
+    def _start_load(self, nodes: list[TreeNode], device_pages: np.ndarray) -> None:
+        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued. It
+        fails with the copies it reads from and with earlier loads of ancestors (``CopiesInFlight.load_deps``)."""
+        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=self.copies.load_deps(nodes))
+        future = self.engine.load(cat_pages([n.host_indices for n in nodes]), device_pages)
+        offset = 0
+        for node in nodes:
+            n = self.tree.num_pages(node)
+            self.tree.set_device(node, device_pages[offset : offset + n])
+            node.loading = op
+            offset += n
+        self.tree.lock(nodes[-1])
+        self.copies.add(op, future)
+
+    def _split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Split ``node`` after ``pages`` pages, keeping the copies that write it current."""
+        head = self.tree.split(node, pages)
+        self.copies.follow_split(node, head)
+        return head
+
+    # -- finished copies --------------------------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Apply finished copies, in submission order; returns how many. Cheap: the scheduler calls it each step."""
+        done = 0
+        for op in self.copies.finished():
+            self._finish(op)
+            done += 1
+        return done
+
+    @property
+    def busy(self) -> bool:
+        """Copies are in flight: their locks and pages are released only by a later ``poll``."""
+        return bool(self.copies)
+
+    def drain(self) -> None:
+        """Block until every pending copy is finished and applied (tests, benchmarks, shutdown; not the loop)."""
+        while self.copies:
+            wait_futures(self.copies.futures())
+            self.poll()
+
+    def close(self) -> None:
+        self.drain()
+        if self.engine is not None:
+            self.engine.close()
+
+    def _finish(self, op: PendingCopy) -> None:
+        """A failed or cancelled copy leaves no trace: restored L1 copies and new L2 copies are dropped, and so
+        are the L1 copies that later loads restore below a failed load."""
+        ok, tree = not op.failed(), self.tree
+        for node in op.nodes:
+            if op.kind == "load":
+                node.loading = None
+                if ok:
+                    self.counters.loaded_back += node.num_tokens
+                else:
+                    self.device_alloc.free(tree.clear_device(node))
+            else:
+                node.saving = None
+                if ok:
+                    self.counters.backed_up += node.num_tokens
+                else:
+                    self.host_alloc.free(tree.clear_host(node))
+        if op.kind == "load" and not ok and op.nodes:
+            self._undo_loads_below(op.nodes[0])
+        if op.kind == "backup" and ok and self.l3 is not None:  # on to L3, as the storage backup policy says
+            self._store(n for n in op.nodes if self.l3.after_backup(n.hit_count))
+        if len(op.drain):
+            self.pages.drained(op.drain)
+        op.ok = ok
+        for node in op.locked:
+            tree.unlock(node)
+        if not ok:  # a node may have lost its last tier; every node of the op is on a path to a locked one
+            for node in op.locked:
+                if node.parent is not None:
+                    self._prune_gap_above(node)
+
+    def _undo_loads_below(self, node: TreeNode) -> None:
+        """Take off L1 what later loads restore below ``node``, whose load failed (a node on L1 has its parent
+        there). Those loads fail too; as their copies may be running, their pages are freed when each is done."""
+        for n in self.tree.subtree(node):
+            op = n.loading
+            if op is not None:
+                op.nodes.remove(n)
+                n.loading = None
+                pages = self.tree.clear_device(n)
+                op.drain = np.concatenate((op.drain, pages))
+                self.pages.drain_later(pages)
+
+    # -- eviction ---------------------------------------------------------------------------------------------------
+
+    def evict_device(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L1 pages (exactly, under SLRU) from unlocked leaves in one batch; returns
+        pages released. A backed-up leaf is demoted to host-only; under write_back a leaf is backed up now (its
+        L1 pages are freed when that copy lands); any other leaf leaves the tree with its host-only subtree.
+        """
+        tree = self.tree
+        write_back = self.write_policy == WritePolicy.WRITE_BACK and self.host_alloc is not None
+        demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
+        cut_tails = self.order.partial and not write_back  # a tail would leave the tree
+        old_pages, freed, released = [], [], 0
+        self._demoting = demote
+        try:
+            while released < n_pages and (node := tree.device_leaves.pop()) is not None:
+                need, k = n_pages - released, tree.num_pages(node)
+                if cut_tails and need < k and (tail := tree.cut_device_tail(node, k - need)) is not None:
+                    freed.append(tail)  # the usual SLRU victim: a leaf only on L1 that keeps its head
+                    self.counters.evicted_device += need * self.page_size
+                    released += need
+                    continue
+                node = self._trim(node, need)
+                k = tree.num_pages(node)
+                if node.on_host:
+                    freed.append(tree.clear_device(node))
+                elif write_back and (host := self._alloc_host(k)) is not None:
+                    old_pages.append(tree.clear_device(node))
+                    tree.set_host(node, host)
+                    node.saving = demote  # keeps evict_host off it until the copy is queued and locks it
+                    tree.refresh(node)
+                    demote.nodes.append(node)
+                else:
+                    self._drop(node, freed)
+                self.counters.evicted_device += k * self.page_size
+                released += k
+        finally:
+            self._demoting = None
+            self.device_alloc.free(cat_pages(freed))  # one batch: the allocator's checks run once
+        if old_pages:
+            self._start_demotion(demote, old_pages)
+        return released
+
+    def _start_demotion(self, op: PendingCopy, old_pages: list[np.ndarray]) -> None:
+        """Copy write_back victims to L2; their old L1 pages are freed when the copy is done. A victim whose parent
+        was dropped later in the same batch left the tree with it: it is not copied."""
+        live = [(n, p) for n, p in zip(op.nodes, old_pages) if n.parent is not None]
+        op.drain = cat_pages(old_pages)
+        if not live:
+            self.device_alloc.free(op.drain)
+            return
+        op.nodes = [n for n, _ in live]
+        op.locked = list(op.nodes)
+        for node in op.nodes:
+            self.tree.lock(node)
+        self.pages.drain_later(op.drain)
+        src, dst = cat_pages([p for _, p in live]), cat_pages([n.host_indices for n in op.nodes])
+        self.copies.add(op, self.engine.backup(src, dst))
+
+    def evict_host(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L2 pages (exactly, under SLRU) from unlocked host-only leaves; returns pages
+        freed."""
+        freed = 0
+        while freed < n_pages and (node := self.tree.host_leaves.pop()) is not None:
+            node = self._trim(node, n_pages - freed)
+            freed += self.tree.num_pages(node)
+            self._drop(node)
+        return freed
+
+    def _trim(self, node: TreeNode, need: int) -> TreeNode:
+        """The part of victim ``node`` to give up for ``need`` more pages, as the eviction order says (a tail is
+        split off; ``node`` keeps it and the children)."""
+        k = self.tree.num_pages(node)
+        give = self.order.pages_to_give(k, need)
+        if give < k:
+            self._split(node, k - give)
+        return node
+
+    def _host_evictable_pages(self) -> int:
+        """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
+        subtree. The tree counts the unlocked host-only pages (``host_only_pages``); within a write_back eviction
+        batch, the victims marked ``saving`` but not locked yet (``_demoting``) and the unlocked host-only nodes
+        above them are taken out, walking up from the victims only."""
+        pages = self.tree.host_only_pages
+        if self._demoting is not None:
+            seen: set[TreeNode] = set()
+            for node in self._demoting.nodes:
+                while (node.parent is not None and node not in seen and node.on_host and not node.on_device
+                       and node.lock_ref == 0):
+                    seen.add(node)
+                    pages -= self.tree.num_pages(node)
+                    node = node.parent
+        return pages
+
+    def _drop(self, node: TreeNode, device_pages: list[np.ndarray] | None = None) -> None:
+        """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers (the L1 ones
+        into ``device_pages`` instead, for the caller to free in one batch)."""
+        for n in self.tree.subtree(node) if node.children else (node,):
+            if n.on_device:
+                pages = self.tree.clear_device(n)
+                if device_pages is None:
+                    self.device_alloc.free(pages)
+                else:
+                    device_pages.append(pages)
+            if n.on_host:
+                self.host_alloc.free(self.tree.clear_host(n))
+                self.counters.evicted_host += n.num_tokens
+        self.tree.remove(node)
+
+    def _prune_gap_above(self, node: TreeNode) -> None:
+        """Drop the highest unlocked node in neither tier on the path to ``node`` (left by a failed backup)."""
+        gap = None
+        while node is not self.tree.root and node.parent is not None:
+            if node.device_indices is None and node.host_indices is None and node.lock_ref == 0:
+                gap = node
+            node = node.parent
+        if gap is not None:
+            self._drop(gap)
+
+    # -- flushing and figures ---------------------------------------------------------------------------------------
 
     def flush(self) -> int:
         """Drop every unlocked node from both tiers (POST /flush_cache); returns the tokens dropped."""
@@ -320,30 +601,23 @@ class HierarchicalCache(TierMixin, EvictionMixin, StorageMixin):
         return dropped
 
     async def flush_settled(self, timeout_s: float) -> FlushOutcome:
-        """``flush`` once the copies in flight have finished, waiting at most ``timeout_s``: a backup holds a lock
-        on the nodes it reads until it is applied, so a flush right after a response would keep the prefix it
-        just cached. Says what stayed: prefixes running requests hold, and nodes behind copies still running."""
-        waited_for = len(self._pending)
-        if self._pending:
-            await asyncio.wait([asyncio.wrap_future(op.future) for op in self._pending], timeout=timeout_s)
+        """``flush`` once the copies in flight have finished, waiting at most ``timeout_s`` (a backup locks the
+        nodes it reads until applied, so a flush right after a response would keep the prefix it just cached).
+        Says what stayed: prefixes running requests hold, and nodes behind copies still running."""
+        waited_for = len(self.copies)
+        if self.copies:
+            await asyncio.wait([asyncio.wrap_future(f) for f in self.copies.futures()], timeout=timeout_s)
         dropped = self.flush()
         kept = sum(n.num_tokens for n in self.tree.nodes())
-        return FlushOutcome(dropped, kept, waited_for, len(self._pending))
-
-    # -- observability ------------------------------------------------------------------------------------------------
+        return FlushOutcome(dropped, kept, waited_for, len(self.copies))
 
     def stats(self) -> CacheStats:
         """Pages per tier and state (free + used + evictable + locked = total), token counters per tier, and the
         L3 tier's figures; ``CacheStats.to_dict()`` is the ``cache`` object of ``/server_info``."""
-        tree, dev = self.tree, self.device_alloc
-        locked = tree.locked_device_pages
-        device = TierPages(total=dev.total, free=dev.num_free, used=dev.num_used - tree.device_pages,
-                           evictable=tree.device_pages - locked, locked=locked)
-        host = None
-        if self.host_alloc is not None:
-            h_locked, h_evictable = tree.locked_host_pages, tree.host_only_pages
-            h = self.host_alloc
-            host = TierPages(total=h.total, free=h.num_free, used=h.num_used - h_locked - h_evictable,
-                             evictable=h_evictable, locked=h_locked)
-        storage = self.storage.stats() if self.storage is not None else None
-        return CacheStats(device=device, tokens=dataclasses.replace(self.counters), host=host, storage=storage)
+        tree = self.tree
+        return CacheStats(
+            device=self.pages.device_pages(tree.device_pages, tree.locked_device_pages),
+            tokens=dataclasses.replace(self.counters),
+            host=self.pages.host_pages(tree.locked_host_pages, tree.host_only_pages),
+            storage=self.storage.stats() if self.storage is not None else None,
+        )

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from decode_worker.cache.radix_tree import RadixTree, TreeNode
+from decode_worker.cache.node import TreeNode
 
 MEDIUM_GPU = "GPU"  # L1
 MEDIUM_CPU = "CPU"  # L2
@@ -73,10 +72,19 @@ def block_hash(hex_digest: str) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+class HashedTree(Protocol):
+    """What the events read of the tree: its root, its page size and each node's chained page hashes."""
+
+    root: TreeNode
+    page_size: int
+
+    def page_hashes(self, node: TreeNode) -> list[str]: ...
+
+
 class TreeEvents:
     """What ``RadixTree`` calls as nodes gain or lose a tier. The tree holds None instead when events are off."""
 
-    def __init__(self, tree: RadixTree, emit: Callable[[KVEvent], None]):
+    def __init__(self, tree: HashedTree, emit: Callable[[KVEvent], None]):
         self.tree = tree
         self.emit = emit
 

@@ -76,9 +76,8 @@ class KVPool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         self.shared: SharedFile | None = None
-        # Not huge pages (see core/host_memory.py): page copies would gain only 10-20%, and faulting in huge pages
-        # here runs at ~0.8 GB/s against ~4 GB/s for 4 KB ones, which would slow start-up by seconds for a pool
-        # of a few GB (both allocations fault every page in now, so requests never pay for the faults).
+        # Not huge pages: faulting them in would slow start-up more than page copies gain (docs/architecture.md,
+        # "Cache internals"). Both allocations fault every page in now, so requests never pay for the faults.
         if shared and self.device.type == "cpu" and not pin_memory:
             self.buffer, self.shared = shared_zeros(layout.pages_shape(num_pages), layout.dtype, owner=self)
         else:
@@ -195,18 +194,24 @@ class PageAllocator:
 
 
 PageIds = np.ndarray | torch.Tensor | list[int]
+NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 def page_ids(pages: PageIds) -> np.ndarray:
     """Page ids as the cache keeps them: an int64 numpy array, passed through as it is when it already is one.
 
-    The cache slices, joins and compares small page-id arrays a dozen times per request; on numpy each step
-    costs ~0.2 us against 2-3 us on torch, which is most of a request's time in the cache. Torch tensors exist
-    only at the edges (the copy engine, L3, the model runner), which take torch views of them (no copy);
-    what comes in from there (a torch tensor, the scheduler's lists) converts here.
+    One representation from allocation to the tree, the copy engine and L3: the cache slices, joins and compares
+    small page-id arrays many times per request, which numpy does several times faster than torch (figures in
+    docs/architecture.md). The copy engine takes torch views of them (no copy); what comes in as a torch tensor
+    or a list converts here.
     """
     if type(pages) is np.ndarray and pages.dtype == np.int64:
         return pages
     if isinstance(pages, torch.Tensor):
         return pages.detach().to("cpu", torch.int64).numpy()
     return np.asarray(pages, dtype=np.int64)
+
+
+def cat_pages(parts: list[np.ndarray]) -> np.ndarray:
+    """Page id arrays end to end (no copy for one part; an empty array for none)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_PAGES

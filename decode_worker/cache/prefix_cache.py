@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import numpy as np
-import torch
 
 from decode_worker.cache.handles import LoadHandle, MatchResult
 from decode_worker.cache.hicache import HierarchicalCache
+from decode_worker.cache.node import Tokens, token_key
 from decode_worker.cache.pool import KVPool, PageAllocator, PageIds, page_ids
-from decode_worker.cache.radix_tree import TOKEN_BYTES, Tokens, token_key
+from decode_worker.core.sequence import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from decode_worker.cache.storage.tier import StorageTier
@@ -69,7 +69,7 @@ class PrefetchCache(PrefixCache, Protocol):
 
     def storage_keys(self, match: MatchResult) -> list[str]: ...
 
-    def alloc_host(self, n: int) -> torch.Tensor | None: ...
+    def alloc_host(self, n: int) -> np.ndarray | None: ...
 
     def free_host(self, pages: PageIds) -> None: ...
 

@@ -1,81 +1,21 @@
-"""Page-granular radix tree over token ids; each node records where its KV pages live (L1 and/or L2).
+"""Page-granular radix tree over packed token keys (``node.py``): structure, tiers, lock refs, access stats and
+the page counts and evictable leaves each tier's budget checks read without a walk.
 
-The tree owns structure, tiers, lock refs and access stats. Which allocator a page belongs to, copies and
-policies are the hierarchical cache's business (``hicache.py``). Keys are token ids packed as int32 bytes:
-a node is matched with one ``memcmp`` (``bytes.startswith``), a child found with one dict probe on its first
-page, so a 21K-token match is a few Python steps per node, never one per token; and a cached token costs 4
-bytes that the garbage collector never scans (a tuple of ints costs ~36 and is scanned).
+Which allocator a page belongs to, copies and policies are ``HierarchicalCache``'s business. A match is a few
+Python steps per node (one ``bytes.startswith`` each, a child found by one dict probe on its first page), never
+one per token.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
-import torch
 
-from decode_worker.cache.evictable import LeafHeap, RankKey
 from decode_worker.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, TreeEvents
-from decode_worker.core.sequence import TOKEN_BYTES, pack_tokens
-
-Key = bytes  # token ids, int32 little-endian (``pack_tokens``)
-Tokens = Sequence[int] | np.ndarray | torch.Tensor | Key
-
-
-def token_key(tokens: Tokens) -> Key:
-    """The tree key of a token sequence; packed keys (``Sequence.key``) pass through as they are. Build it once
-    per request and pass it to both match and insert."""
-    if isinstance(tokens, bytes):
-        return tokens
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-    return pack_tokens(tokens)
-
-
-@dataclass(eq=False, slots=True)
-class TreeNode:
-    """A run of whole pages. A node in neither tier only exists transiently (see ``HierarchicalCache``)."""
-
-    key: Key  # this node's run of whole pages
-    parent: TreeNode | None = None
-    children: dict[Key, TreeNode] = field(default_factory=dict)
-    device_indices: np.ndarray | None = None  # L1 page ids, int64, one per page (numpy: see ``pool.page_ids``)
-    host_indices: np.ndarray | None = None  # L2 page ids
-    lock_ref: int = 0  # live users of this node or any descendant
-    last_access: int = 0  # logical clock, for LRU
-    hit_count: int = 0  # for LFU and write_through_selective
-    loading: Any = None  # in-flight copy writing device_indices (L2->L1)
-    saving: Any = None  # in-flight copy writing host_indices (L1->L2)
-    hashes: list[str] | None = None  # chained page hashes, computed on first use (L3 keys)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key) // TOKEN_BYTES
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_indices is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_indices is not None
-
-    def __repr__(self) -> str:
-        tiers = ("D" if self.on_device else "") + ("H" if self.on_host else "")
-        return f"TreeNode(tokens={self.num_tokens}, tiers={tiers or '-'}, lock={self.lock_ref})"
-
-
-def chain_hashes(key: Key, page_size: int, prev: bytes) -> list[bytes]:
-    """SHA-256 per whole page, each over the previous page's digest and the page's int32 LE token ids."""
-    step = page_size * TOKEN_BYTES
-    out = []
-    for start in range(0, len(key) - step + 1, step):
-        prev = hashlib.sha256(prev + key[start : start + step]).digest()
-        out.append(prev)
-    return out
+from decode_worker.cache.node import Key, TreeNode, chain_hashes
+from decode_worker.cache.strategy import LeafHeap, RankKey
+from decode_worker.core.sequence import TOKEN_BYTES
 
 
 class RadixTree:
@@ -161,6 +101,30 @@ class RadixTree:
             node.hashes = [h.hex() for h in chain_hashes(node.key, self.page_size, prev)]
         return node.hashes
 
+    def hashes_past(self, key: Key, last: TreeNode | None, tail: int, hit: int) -> list[str]:
+        """Hex chained hashes of the whole pages of ``key`` from page ``hit`` on, where the first ``hit`` pages end
+        at page ``tail`` of ``last`` (None: nothing matched). What an L3 lookup past a match asks for."""
+        pb = self.page_bytes
+        if hit * pb + pb > len(key):
+            return []
+        prev = self.root_hash if last is None else bytes.fromhex(self.page_hashes(last)[tail - 1])
+        return [h.hex() for h in chain_hashes(key[hit * pb :], self.page_size, prev)]
+
+    def attach_point(self, key: Key) -> tuple[TreeNode, int, tuple[TreeNode, int] | None]:
+        """Where pages past the cached part of ``key`` would hang: the deepest node matching it, the pages matched
+        up to there (-1 when a node in neither tier holds the spot), and, when that node matches only in part,
+        it with the pages to split it after."""
+        path, tail = self.match(key)
+        parent, have, cut = self.root, 0, None
+        for i, node in enumerate(path):
+            if not (node.on_device or node.on_host):
+                return parent, -1, None
+            k = tail if i == len(path) - 1 else self.num_pages(node)
+            if k < self.num_pages(node):
+                cut = (node, k)
+            parent, have = node, have + k
+        return parent, have, cut
+
     # -- structure ------------------------------------------------------------------------------------------
 
     def touch(self, node: TreeNode, hit: bool = False) -> None:
@@ -177,6 +141,14 @@ class RadixTree:
         node = TreeNode(key=key, parent=parent, last_access=self.clock)
         parent.children[key[: self.page_bytes]] = node
         self.set_device(node, device_indices)  # re-files the parent too
+        return node
+
+    def add_host_child(self, parent: TreeNode, key: Key, host_indices: np.ndarray) -> TreeNode:
+        """A new host-only node below ``parent`` (pages that arrived from L3)."""
+        self.clock += 1
+        node = TreeNode(key=key, parent=parent, last_access=self.clock)
+        parent.children[key[: self.page_bytes]] = node
+        self.set_host(node, host_indices)
         return node
 
     def split(self, node: TreeNode, pages: int) -> TreeNode:

@@ -3,6 +3,17 @@ against them. A ``StrEnum`` member equals its string, so a value read from a fla
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TypeVar
+
+P = TypeVar("P", bound=StrEnum)
+
+
+def parse_policy(cls: type[P], value: str, what: str) -> P:
+    """``cls(value)``, raising ValueError naming ``what``, the value and the choices."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} not in {tuple(m.value for m in cls)}") from None
 
 
 class Role(StrEnum):

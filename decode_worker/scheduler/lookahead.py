@@ -15,34 +15,11 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
 
 from decode_worker.cache.prefix_cache import PrefetchCache
-from decode_worker.cache.storage.tier import Prefetch
-
-if TYPE_CHECKING:
-    from decode_worker.scheduler.req import Req
+from decode_worker.scheduler.req import Req, StorageFetch
 
 STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch in flight (each holds L2 pages)
-
-
-@dataclass(eq=False)
-class StorageFetch:
-    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it; ``span``
-    then names the pages of the prompt that it put into the tree."""
-
-    key: bytes  # the tokens the request matches with, packed (``Sequence.key``)
-    from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
-    keys: list[str]
-    deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
-    task: asyncio.Task | None = None  # exists, then prefetch, then wait as the policy says
-    prefetch: Prefetch | None = None
-    host_pages: torch.Tensor | None = None
-    settled: bool = False
-    span: range = range(0)
 
 
 class StorageLookahead:

@@ -1,4 +1,5 @@
-"""One request in the scheduler: its lifecycle state, the cache handle and pages it owns, and what it waits for.
+"""One request in the scheduler: its lifecycle state, the cache handle and pages it owns, and what it waits for
+(its L3 fetch, its KV transfer).
 
 Page ownership: the cache handle locks the matched prefix (pages the tree owns, the first ``prefix_pages`` of
 ``seq.pages``); after the load-back the request owns the rest of ``seq.pages``. The full pages a request computed
@@ -14,11 +15,27 @@ import numpy as np
 
 from decode_worker.cache.hicache import LoadHandle
 from decode_worker.cache.prefix_cache import PrefixCache
+from decode_worker.cache.storage.tier import Prefetch
 from decode_worker.core.lifecycle import CacheHits, ReqState
 from decode_worker.core.request import GenerateInput, Prefilled, RequestError, RequestStream
 from decode_worker.core.sequence import Sequence
 from decode_worker.scheduler.grammar import RowGrammar
-from decode_worker.scheduler.lookahead import StorageFetch
+
+
+@dataclass(eq=False)
+class StorageFetch:
+    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it; ``span``
+    then names the pages of the prompt that it put into the tree."""
+
+    key: bytes  # the tokens the request matches with, packed (``Sequence.key``)
+    from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
+    keys: list[str]
+    deadline: float  # loop time after which the request stops waiting (timeout and wait_complete policies)
+    task: asyncio.Task | None = None  # exists, then prefetch, then wait as the policy says
+    prefetch: Prefetch | None = None
+    host_pages: np.ndarray | None = None  # L2 page ids from ``alloc_host``
+    settled: bool = False
+    span: range = range(0)
 
 
 @dataclass(eq=False)

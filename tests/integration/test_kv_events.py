@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from decode_worker.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, block_hash
-from decode_worker.cache.radix_tree import chain_hashes, token_key
+from decode_worker.cache.node import chain_hashes, token_key
 from tests.servers import Proc, free_port, start_worker
 from tests.unit.test_kv_events import Replica
 

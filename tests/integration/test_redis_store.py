@@ -15,8 +15,9 @@ import pytest
 import redis
 import torch
 
+from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.pool import KVLayout, KVPool
-from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
+from decode_worker.cache.radix_tree import RadixTree
 from decode_worker.cache.storage import FileStore, StorageTier
 from decode_worker.cache.storage.redis_store import RedisStore
 from tests.servers import free_port

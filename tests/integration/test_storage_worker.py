@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from decode_worker.cache.radix_tree import chain_hashes, token_key
+from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.storage import FileStore, encode_record
 from decode_worker.cache.storage.base import HEADER_BYTES
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer

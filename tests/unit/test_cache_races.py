@@ -26,7 +26,7 @@ def _finish_copies_unpolled(cache: HierarchicalCache) -> None:
     """Let every queued copy run to completion without the cache seeing it (no poll): the window in which a
     request can act on a match whose tiers a finished copy is about to change."""
     cache.engine.gate.set()
-    for op in list(cache._pending):
+    for op in list(cache.copies.queue):
         op.future.exception(timeout=10)
 
 
@@ -183,7 +183,7 @@ def test_lookahead_settled_while_the_store_answers_takes_no_l2_pages():
             await asyncio.sleep(0)
         await asyncio.sleep(0.05)
         check_invariants(cache, prefetch_pages=0)
-        out = cache._host_out
+        out = cache.pages.host_out
         cache.close()
         return out
 

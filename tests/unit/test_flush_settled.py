@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from decode_worker.cache.radix_tree import token_key
+from decode_worker.cache.node import token_key
 from tests.unit.test_hicache import hc  # noqa: F401  (fixture)
 
 TOKENS = list(range(8))

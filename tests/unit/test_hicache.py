@@ -12,8 +12,8 @@ import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache, LoadBackError
+from decode_worker.cache.node import token_key
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages, PageAllocator
-from decode_worker.cache.radix_tree import token_key
 from decode_worker.cache.sizing import InsufficientHostMemory, host_pool_pages, make_host_pool, mem_available_bytes
 from tests.cache_invariants import check_allocator, check_invariants
 

@@ -33,11 +33,11 @@ from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
 )
 
+from decode_worker.cache.copies import PendingCopy
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache, LoadBackError, LoadHandle
+from decode_worker.cache.node import token_key
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
-from decode_worker.cache.radix_tree import token_key
-from decode_worker.cache.tiers import PendingCopy
 from decode_worker.core.policies import EvictionPolicy, WritePolicy
 from tests.cache_invariants import check_invariants, host_evictable_pages_by_walk, key_tokens, prefix_key
 
@@ -149,7 +149,7 @@ class Fill:
 
     tokens: tuple[int, ...]
     from_page: int
-    pages: torch.Tensor
+    pages: np.ndarray
     prefetch: Any = None  # the L3 Prefetch writing them; None: the test wrote them all at once
 
 
@@ -356,7 +356,7 @@ class CacheMachine(RuleBasedStateMachine):
         return failing
 
     def pending_op(self, copy: Copy) -> PendingCopy:
-        return next(op for op in self.cache._pending if op.future is copy.future)
+        return next(op for op in self.cache.copies.queue if op.future is copy.future)
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -678,7 +678,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- host-only insertion --------------------------------------------------------------------------------------
 
-    def alloc_fill(self, n: int) -> torch.Tensor | None:
+    def alloc_fill(self, n: int) -> np.ndarray | None:
         """alloc_host for a prefetch of ``n`` pages; a refusal must leave L2 as it was."""
         if n > HOST_PAGES:
             self.hit("host_fill_oversized")
@@ -738,7 +738,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def stop_fill(self, fill: Fill) -> int:
         """Pages of the fill that hold data (the L3 machine stops its prefetch here)."""
-        return fill.pages.numel()
+        return len(fill.pages)
 
     def release_all(self) -> None:
         while self.reqs:
@@ -759,15 +759,15 @@ class CacheMachine(RuleBasedStateMachine):
         """Everything that holds after every step."""
         assert self.engine is None or not self.engine.errors, f"a copy failed by itself: {self.engine.errors!r}"
         request_pages = sum(r.owned for r in self.reqs)
-        fill_pages = sum(f.pages.numel() for f in self.fills)
+        fill_pages = sum(len(f.pages) for f in self.fills)
         check_invariants(self.cache, request_pages=request_pages, prefetch_pages=fill_pages)
         t = self.tree_state()
         dev = self.cache.device_alloc
-        assert dev.num_free + len(t.dev) + self.cache._draining + request_pages == dev.total
+        assert dev.num_free + len(t.dev) + self.cache.pages.draining + request_pages == dev.total
         if self.cache.host_alloc is not None:
             assert self.cache.host_alloc.num_free + len(t.host) + fill_pages == self.cache.host_alloc.total
             self.check_free_l2(t.host_pages | {p for f in self.fills for p in f.pages.tolist()})
-        if not self.reqs and not self.cache._pending:
+        if not self.reqs and not self.cache.copies.queue:
             assert all(n.lock_ref == 0 for n in self.cache.tree.nodes()), "lock left with nothing live"
 
     def check_free_l2(self, used: set[int]) -> None:

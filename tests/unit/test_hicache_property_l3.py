@@ -23,7 +23,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
 
-from decode_worker.cache.radix_tree import chain_hashes, token_key
+from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.storage import Prefetch, StorageTier, StoreBackend, decode_record, encode_record
 from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy
 from tests.unit.test_hicache_property import (

@@ -21,7 +21,7 @@ from decode_worker.cache.kv_events import (
     BlockStored,
     block_hash,
 )
-from decode_worker.cache.radix_tree import token_key
+from decode_worker.cache.node import token_key
 from decode_worker.config import ConfigError, ServerConfig, kv_events_settings
 from decode_worker.engine.kv_event_publisher import ZmqEventPublisher
 from decode_worker.engine.wiring import open_kv_events

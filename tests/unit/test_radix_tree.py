@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
+from decode_worker.cache.node import chain_hashes, token_key
+from decode_worker.cache.radix_tree import RadixTree
 from tests.cache_invariants import check_evictable_leaves, key_tokens, prefix_key
 
 PS = 4

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.pool import KVLayout, KVPool
-from decode_worker.cache.radix_tree import RadixTree, chain_hashes, token_key
+from decode_worker.cache.radix_tree import RadixTree
 from decode_worker.cache.storage import (
     FileStore,
     PrefetchPolicy,

@@ -22,7 +22,7 @@ from typing import Any, Coroutine
 import numpy as np
 import torch
 
-from decode_worker.cache.pool import KVLayout, KVPool
+from decode_worker.cache.pool import KVLayout, KVPool, PageIds, page_ids
 from decode_worker.cache.stats import StorageStats
 from decode_worker.cache.storage.base import (
     CORRUPT,
@@ -67,7 +67,7 @@ class Prefetch:
     lost inside ``asyncio.wait_for`` (Python 3.11), and the fetch would go on writing pages already freed.
     """
 
-    def __init__(self, tier: StorageTier, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor):
+    def __init__(self, tier: StorageTier, keys: list[str], host_pool: KVPool, host_pages: PageIds):
         self.keys = keys
         self.arrived = 0
         self.stopped = False
@@ -134,13 +134,12 @@ class StorageTier:
         found = await self._call("exists", self.backend.exists(keys))
         return 0 if found is _FAILED else found
 
-    def start_prefetch(self, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor) -> Prefetch:
+    def start_prefetch(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> Prefetch:
         """Start fetching ``keys`` into ``host_pages`` (L2, one per key) in the background."""
-        self._check(keys, host_pool, host_pages)
-        return Prefetch(self, keys, host_pool, host_pages)
+        return Prefetch(self, keys, host_pool, self._check(keys, host_pool, host_pages))
 
     async def prefetch(
-        self, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor, deadline_s: float | None
+        self, keys: list[str], host_pool: KVPool, host_pages: PageIds, deadline_s: float | None
     ) -> int:
         """Fetch until done or ``deadline_s``, then stop; returns how many leading pages arrived intact."""
         op = self.start_prefetch(keys, host_pool, host_pages)
@@ -151,9 +150,9 @@ class StorageTier:
         """How long a request may wait for a prefetch of ``tokens`` tokens, by the configured policy."""
         return self.policy.deadline_s(tokens)
 
-    def backup(self, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor) -> int:
+    def backup(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> int:
         """Copy L2 pages out now and store them in the background; returns pages queued (0: dropped, counted)."""
-        self._check(keys, host_pool, host_pages)
+        host_pages = self._check(keys, host_pool, host_pages)
         if not keys:
             return 0
         if self.is_down:
@@ -212,11 +211,14 @@ class StorageTier:
 
     # -- internals --------------------------------------------------------------------------------------------------
 
-    def _check(self, keys: list[str], host_pool: KVPool, host_pages: torch.Tensor) -> None:
+    def _check(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> np.ndarray:
+        """``host_pages`` as the cache's page ids, once they fit ``keys`` and ``host_pool`` fits our layout."""
         if host_pool.layout != self.layout or host_pool.buffer.device.type != "cpu":
             raise ValueError(f"L3 pages move to and from a host pool of layout {self.layout}")
-        if host_pages.numel() != len(keys):
-            raise ValueError(f"{len(keys)} keys for {host_pages.numel()} host pages")
+        host_pages = page_ids(host_pages)
+        if len(host_pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} host pages")
+        return host_pages
 
     async def _call(self, op: str, coro: Coroutine) -> Any:
         """Await a store call under the deadline and circuit; a failure is counted and returns _FAILED."""
@@ -239,14 +241,14 @@ class StorageTier:
             self._down_until = time.monotonic() + self.down_for_s
         return _FAILED
 
-    async def _fetch(self, op: Prefetch, host_pool: KVPool, host_pages: torch.Tensor) -> None:
+    async def _fetch(self, op: Prefetch, host_pool: KVPool, host_pages: PageIds) -> None:
         try:
             await self._fetch_pages(op, host_pool, host_pages)
         except Exception:  # noqa: BLE001 - nobody awaits this task for its errors: count them here
             log.exception("L3 prefetch failed")
             self.failures["prefetch", "error"] += 1
 
-    async def _fetch_pages(self, op: Prefetch, host_pool: KVPool, host_pages: torch.Tensor) -> None:
+    async def _fetch_pages(self, op: Prefetch, host_pool: KVPool, host_pages: PageIds) -> None:
         host = _host_bytes(host_pool)
         pages = host_pages.tolist()
         for start in range(0, len(op.keys), self.batch_pages):

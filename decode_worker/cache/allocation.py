@@ -1,0 +1,78 @@
+"""Allocation apart from reuse: the L1 and L2 page allocators and the pages between owners (L1 pages that copies
+in flight free when they land, L2 pages lent to an L3 prefetch). It counts pages and never sees a node; what to
+evict when a tier is short is the cache's decision (``HierarchicalCache``), as mini-sglang's ``CacheManager``
+asks its prefix cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from decode_worker.cache.pool import OutOfPages, PageAllocator, PageIds
+from decode_worker.cache.stats import TierPages
+
+
+class Allocation:
+    """The page allocators of both tiers, and the pages in transit between their owners."""
+
+    def __init__(self, device_pages: int, host_pages: int | None):
+        self.device = PageAllocator(device_pages, reserved=1)  # page 0: scratch (padding writes go there)
+        self.host = PageAllocator(host_pages) if host_pages is not None else None
+        self.draining = 0  # L1 pages copies in flight free when done
+        self.host_out = 0  # L2 pages lent by ``lend_host``, not yet attached to the tree or returned
+
+    # -- L1 ---------------------------------------------------------------------------------------------------------
+
+    def device_short(self, n: int) -> int:
+        """Pages an allocation of ``n`` L1 pages must evict first (the drains count as on their way back)."""
+        return n - self.device.num_free - self.draining
+
+    def take_device(self, n: int, locked: int) -> np.ndarray:
+        """``n`` L1 pages, or OutOfPages saying where the pages are (``locked``: tree pages locked now)."""
+        if self.device.num_free < n:
+            raise OutOfPages(f"need {n} L1 pages: {self.device.num_free} free, {self.draining} still being backed "
+                             f"up to L2, {locked} locked")
+        return self.device.alloc(n)
+
+    def drain_later(self, pages: np.ndarray) -> None:
+        """``pages`` are freed when a copy lands (``drained``); until then an allocation counts on them."""
+        self.draining += len(pages)
+
+    def drained(self, pages: np.ndarray) -> None:
+        self.device.free(pages)
+        self.draining -= len(pages)
+
+    # -- L2 ---------------------------------------------------------------------------------------------------------
+
+    def host_short(self, n: int) -> int:
+        return n - self.host.num_free
+
+    def take_host(self, n: int) -> np.ndarray | None:
+        return self.host.alloc(n) if self.host.num_free >= n else None
+
+    def lend_host(self, pages: np.ndarray) -> None:
+        """``pages`` leave for a prefetch: they are in neither the tree nor the free stack."""
+        self.host_out += len(pages)
+
+    def return_host(self, pages: PageIds) -> None:
+        self.host.free(pages)
+        self.host_out -= len(pages)
+
+    def attach_host(self, n: int) -> None:
+        """``n`` lent pages joined the tree."""
+        self.host_out -= n
+
+    # -- what the cache reports -------------------------------------------------------------------------------------
+
+    def device_pages(self, in_tree: int, locked: int) -> TierPages:
+        """L1 by state, given the tree's L1 pages and how many of them are locked."""
+        dev = self.device
+        return TierPages(total=dev.total, free=dev.num_free, used=dev.num_used - in_tree,
+                         evictable=in_tree - locked, locked=locked)
+
+    def host_pages(self, locked: int, evictable: int) -> TierPages | None:
+        """L2 by state (None without L2), given the tree's locked and host-only (evictable) L2 pages."""
+        h = self.host
+        if h is None:
+            return None
+        return TierPages(total=h.total, free=h.num_free, used=h.num_used - locked - evictable,
+                         evictable=evictable, locked=locked)

@@ -1,0 +1,87 @@
+"""The bookkeeping of copies in flight between L1 and L2: each ``PendingCopy`` names the nodes it writes and
+holds locks on, the copies it fails with and the L1 pages to free once it lands; ``CopiesInFlight`` keeps them
+in submission order, the order the copy engine runs them in and the cache applies them in.
+
+It changes no node's tiers: applying a copy's outcome to the tree is ``HierarchicalCache``'s job.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from decode_worker.cache.node import TreeNode
+from decode_worker.cache.pool import NO_PAGES
+
+
+@dataclass(eq=False)
+class PendingCopy:
+    """A copy on the engine plus what the cache must do when it finishes."""
+
+    kind: str  # "load" (L2->L1) or "backup" (L1->L2)
+    nodes: list[TreeNode]  # nodes whose data it writes, in path order; kept current across splits
+    locked: list[TreeNode]  # nodes it holds a lock on
+    deps: list[PendingCopy] = field(default_factory=list)  # earlier copies it fails with (reads or loads below)
+    drain: np.ndarray = field(default_factory=NO_PAGES.copy)  # L1 pages to free once done
+    future: Future | None = None
+    ok: bool | None = None  # set when finished
+
+    def failed(self) -> bool:
+        """The copy, or one it depends on, failed or was cancelled (only once ``future`` is done)."""
+        f = self.future
+        return f.cancelled() or f.exception() is not None or any(d.ok is False for d in self.deps)
+
+
+class CopiesInFlight:
+    """Copies submitted and not yet applied, oldest first."""
+
+    def __init__(self) -> None:
+        self.queue: deque[PendingCopy] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, op: PendingCopy, future: Future) -> None:
+        op.future = future
+        self.queue.append(op)
+
+    def finished(self) -> Iterator[PendingCopy]:
+        """Take out the copies that have finished, in submission order, stopping at the first still running."""
+        while self.queue and self.queue[0].future.done():
+            yield self.queue.popleft()
+
+    def futures(self) -> list[Future]:
+        return [op.future for op in self.queue]
+
+    @staticmethod
+    def load_deps(nodes: list[TreeNode]) -> list[PendingCopy]:
+        """What a load of ``nodes`` fails with: backups still writing their L2 pages, and loads of ancestors."""
+        deps = {n.saving: None for n in nodes if n.saving is not None}
+        node = nodes[0].parent
+        while node is not None:
+            if node.loading is not None:
+                deps[node.loading] = None
+            node = node.parent
+        return list(deps)
+
+    @staticmethod
+    def follow_split(node: TreeNode, head: TreeNode) -> None:
+        """``head`` was split off the front of ``node``: the copies writing ``node`` write it too."""
+        for op in (node.loading, node.saving):
+            if op is not None:
+                op.nodes.insert(op.nodes.index(node), head)
+
+    def backup_pins(self) -> dict[TreeNode, int]:
+        """Per node, the locks that backups in flight hold on it (a backup locks each node it reads, and a lock
+        pins every ancestor)."""
+        pinned: dict[TreeNode, int] = {}
+        for op in self.queue:
+            if op.kind == "backup":
+                for node in op.locked:
+                    while node.parent is not None:  # the root has none
+                        pinned[node] = pinned.get(node, 0) + 1
+                        node = node.parent
+        return pinned

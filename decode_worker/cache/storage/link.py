@@ -1,0 +1,33 @@
+"""The cache's link to its L3 tier: which L2 pages go on to L3 under the storage backup policy, and handing
+them over. It sees L3 keys, L2 page ids and hit counts, never nodes: the cache picks the nodes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from decode_worker.cache.pool import KVPool
+from decode_worker.cache.storage.tier import StorageTier
+from decode_worker.core.policies import StorageBackup
+
+SELECTIVE_HITS = 2  # write_through_selective backs a node up to L2 on its second hit; hit_twice does to L3
+
+
+class StorageLink:
+    """An L3 ``StorageTier`` fed from the L2 pool by the storage backup policy (``all`` or ``hit_twice``)."""
+
+    def __init__(self, tier: StorageTier, host_pool: KVPool, policy: StorageBackup = StorageBackup.ALL):
+        self.tier = tier
+        self.host_pool = host_pool
+        self.policy = policy
+
+    def after_backup(self, hit_count: int) -> bool:
+        """Does a node whose L1 -> L2 copy just landed go on to L3? All do, or under hit_twice those hit twice."""
+        return self.policy == StorageBackup.ALL or hit_count >= SELECTIVE_HITS
+
+    def on_hit(self, hit_count: int) -> bool:
+        """Does a node already on L2 go to L3 on this hit? Under hit_twice, on its second."""
+        return self.policy == StorageBackup.HIT_TWICE and hit_count == SELECTIVE_HITS
+
+    def store(self, keys: list[str], host_pages: np.ndarray) -> int:
+        """Queue an L2 -> L3 backup (the tier copies the pages out of L2 before returning); pages queued."""
+        return self.tier.backup(keys, self.host_pool, host_pages) if keys else 0

@@ -1,0 +1,103 @@
+"""The eviction order, as a strategy the cache holds: which unlocked leaf each tier gives up first, and whether a
+victim may give up only part of its pages; and ``LeafHeap``, the evictable leaves of one tier kept in that order.
+
+The tree adds a node to a ``LeafHeap``, or discards it from ``members`` (its heap entry goes stale and ``pop``
+skips it), whenever its evictability changes, so an eviction batch costs time in proportion to what it evicts
+rather than a walk of the tree. A rank only grows while a node waits (``touch`` moves its last access and hit
+count forward), so an entry is checked against the node's current rank when it reaches the top and pushed back
+if it grew: ``touch`` needs no heap update, and ``pop`` still returns the true minimum.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+from typing import TYPE_CHECKING
+
+from decode_worker.core.policies import EvictionPolicy
+
+if TYPE_CHECKING:
+    from decode_worker.cache.node import TreeNode
+
+RankKey = Callable[["TreeNode"], tuple]
+COMPACT_SLACK = 64  # stale heap entries tolerated beyond twice the members before the heap is rebuilt
+
+
+def _slru(node: TreeNode) -> tuple:
+    return node.hit_count > 0, node.last_access
+
+
+def _lfu(node: TreeNode) -> tuple:
+    return node.hit_count, node.last_access
+
+
+def _lru(node: TreeNode) -> tuple:
+    return (node.last_access,)
+
+
+@dataclass(frozen=True)
+class EvictionOrder:
+    """``rank``: least worth keeping first, a key that only grows as a node is used. ``partial``: a victim gives
+    up only the pages an eviction still needs (its tail; the head stays cached with its hit count), so a shared
+    prefix is never evicted whole for a few pages."""
+
+    policy: EvictionPolicy
+    rank: RankKey
+    partial: bool
+
+    def pages_to_give(self, node_pages: int, need: int) -> int:
+        """How many of a victim's ``node_pages`` pages to give up when ``need`` more are wanted."""
+        return min(node_pages, need) if self.partial else node_pages
+
+
+def eviction_order(policy: EvictionPolicy) -> EvictionOrder:
+    """SLRU: never-hit nodes first (a request's own suffix, rarely reused), then hit ones (shared prefixes), least
+    recently used first within each, victims cut to what is needed; LRU: least recently used; LFU: least hit,
+    then least recent; both give up whole leaves."""
+    if policy == EvictionPolicy.SLRU:
+        return EvictionOrder(policy, _slru, partial=True)
+    if policy == EvictionPolicy.LFU:
+        return EvictionOrder(policy, _lfu, partial=False)
+    return EvictionOrder(EvictionPolicy.LRU, _lru, partial=False)
+
+
+class LeafHeap:
+    """The members (nodes the tier may give up now) and a lazy min-heap over them by ``rank``."""
+
+    def __init__(self, rank: RankKey):
+        self.rank = rank
+        self.members: set[TreeNode] = set()
+        self._heap: list[tuple[tuple, int, TreeNode]] = []  # (key when pushed, push order, node); may be stale
+        self._order = count()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, node: TreeNode) -> None:
+        if node not in self.members:
+            self.members.add(node)
+            heapq.heappush(self._heap, (self.rank(node), next(self._order), node))
+            if len(self._heap) > 2 * len(self.members) + COMPACT_SLACK:
+                self._compact()
+
+    def pop(self) -> TreeNode | None:
+        """Take out and return the first member by ``rank`` (None when there is none)."""
+        heap = self._heap
+        while heap:
+            key, _, node = heap[0]
+            if node not in self.members:
+                heapq.heappop(heap)
+                continue
+            now = self.rank(node)
+            if now != key:  # touched since it was pushed: its key only grew
+                heapq.heapreplace(heap, (now, next(self._order), node))
+                continue
+            heapq.heappop(heap)
+            self.members.discard(node)
+            return node
+        return None
+
+    def _compact(self) -> None:
+        self._heap = [(self.rank(n), next(self._order), n) for n in self.members]
+        heapq.heapify(self._heap)
