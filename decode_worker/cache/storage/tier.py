@@ -16,8 +16,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,11 +68,12 @@ class Prefetch:
     lost inside ``asyncio.wait_for`` (Python 3.11), and the fetch would go on writing pages already freed.
     """
 
-    def __init__(self, tier: StorageTier, keys: list[str], host_pool: KVPool, host_pages: PageIds):
+    def __init__(self, keys: list[str], fetch: Callable[[Prefetch], Coroutine]):
+        """``fetch(self)``: the coroutine that writes the pages and counts them in ``arrived``."""
         self.keys = keys
         self.arrived = 0
         self.stopped = False
-        self._task = asyncio.get_running_loop().create_task(tier._fetch(self, host_pool, host_pages))
+        self._task = asyncio.get_running_loop().create_task(fetch(self))
 
     @property
     def done(self) -> bool:
@@ -136,7 +138,8 @@ class StorageTier:
 
     def start_prefetch(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> Prefetch:
         """Start fetching ``keys`` into ``host_pages`` (L2, one per key) in the background."""
-        return Prefetch(self, keys, host_pool, self._check(keys, host_pool, host_pages))
+        host_pages = self._check(keys, host_pool, host_pages)
+        return Prefetch(keys, lambda op: self._fetch(op, host_pool, host_pages))
 
     async def prefetch(
         self, keys: list[str], host_pool: KVPool, host_pages: PageIds, deadline_s: float | None
