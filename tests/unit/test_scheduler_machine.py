@@ -1,6 +1,7 @@
 """A hypothesis state machine over the real Scheduler on a tiny random-weight model.
 
-Rules submit colocated requests (some scoring their prompt from a random position, some generating nothing) and PD
+Rules submit colocated requests (some scoring their prompt from a random position, some generating nothing), requests
+whose output a grammar constrains (colocated or PD, where prefill's first token may be one the grammar refuses) and PD
 requests to one of two prefill peers (whose handshake answers now, later, never, or
 whose KV read fails), flood the queue's head with more requests for a third, stalled peer than one peer may look
 ahead for,
@@ -8,7 +9,8 @@ answer or fail peers, land or fail reads, abort, step (running the L1<->L2 copie
 ``StepEngine`` lets a test decide) and step with a forward that raises. L1 is small, so requests retract and the
 tree evicts. After every rule the machine checks page ownership, queues, page-table rows, what a PD request
 waiting for its peer holds, that every request ended with an answer it was allowed to get, and that a scored prompt
-got its log-probabilities once, equal to a cache-free forward's; at teardown it
+got its log-probabilities once, equal to a cache-free forward's, and that a constrained output kept to its grammar; at
+teardown it
 drives everything to completion and checks that every page came back.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import functools
 import itertools
 import random
+import re
 from collections import Counter
 from typing import NamedTuple
 
@@ -42,7 +45,9 @@ from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler import admission
+from decode_worker.scheduler import scheduler as scheduler_module
 from decode_worker.scheduler.admission import PEER_LOOKAHEAD, Admission
+from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import KVTransfer, Req
 from decode_worker.scheduler.scheduler import Scheduler
@@ -60,9 +65,14 @@ HITS: Counter[str] = Counter()  # what the rules and steps did, by name
 BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an unanswered peer", "peer answered late",
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
             "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
-            "scored prompt", "scored prompt after a cache hit")
+            "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
+            "constrained request retracted")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
 SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
+STOP = 0  # the constrained requests' stop token (the machine's requests ignore end-of-sequence otherwise)
+LETTERS = "cab"  # token t > 0 reads as LETTERS[t % 3], so most tokens spell a letter the grammar refuses
+GRAMMAR = "[ab]{1,4}c"
+GRAMMAR_PREFIX = re.compile(r"[ab]{0,4}|[ab]{1,4}c")  # what a constrained output may read as at any point
 STALLED = 3  # the port of the peer whose requests flood the queue's head
 
 
@@ -144,6 +154,16 @@ def reference(model, ids: tuple[int, ...]) -> Reference:
         logits = runner.forward(runner.build_batch([list(ids)], [0], [pages], all_logits=True))
         REFERENCES[ids] = Reference(torch.log_softmax(logits.double(), -1), runner.pool.page_data(pages))
     return REFERENCES[ids]
+
+
+@functools.cache
+def compiled_grammar() -> CompiledGrammar:
+    """``GRAMMAR`` compiled for the machine's vocabulary: token 0 stops, every other spells one of ``LETTERS``."""
+    import xgrammar as xgr
+
+    vocab = ["</s>"] + [LETTERS[t % 3] for t in range(1, 320)]
+    info = xgr.TokenizerInfo(vocab, vocab_size=320, stop_token_ids=[STOP])
+    return CompiledGrammar("regex", GRAMMAR, xgr.GrammarCompiler(info).compile_regex(GRAMMAR))
 
 
 async def cancel_all(tasks) -> None:
@@ -247,16 +267,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = PREFIXES[prefix] + tail
         self.add_request(prompt, max_new, "colocated", 0, data.draw(st.integers(0, len(prompt) - 1)))
 
-    def add_request(self, prompt: list[int], max_new: int, mode: str, port: int, score_from: int | None = None) -> None:
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=TAILS, max_new=st.integers(1, 8),
+          mode=st.sampled_from(["colocated", "answered", "pending"]), port=st.sampled_from(PEERS))
+    def submit_constrained(self, prefix: int, tail: list[int], max_new: int, mode: str, port: int) -> None:
+        """A request whose output ``GRAMMAR`` constrains: in PD prefill's first token (``read_ends``' token) may be
+        one the grammar refuses, which ends the request with an abort finish, its output kept."""
+        self.add_request(PREFIXES[prefix] + tail, max_new, mode, port, constrained=True)
+
+    def add_request(self, prompt: list[int], max_new: int, mode: str, port: int, score_from: int | None = None,
+                    constrained: bool = False) -> None:
         rid = f"r{self.count}"
         self.count += 1
         boot = None
         if mode != "colocated":
             self.peer.peers[rid] = mode
             boot = Bootstrap("127.0.0.1", port, self.count)
-        params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
+                                regex=GRAMMAR if constrained else None)
         self.sched.submit(GenerateInput(rid, prompt, params, bootstrap=boot, return_logprob=score_from is not None,
-                                        logprob_start=score_from))
+                                        logprob_start=score_from), compiled_grammar() if constrained else None)
         self.reqs[rid], self.events[rid], self.allowed[rid] = self.sched.requests[rid], [], set()
 
     @precondition(lambda self: not self.flooded)
@@ -281,9 +310,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.on_loop(lambda: None)
 
     @precondition(lambda self: self.open_reads())
-    @rule(data=st.data(), ok=st.booleans(), token=st.integers(0, 319))
+    @rule(data=st.data(), ok=st.booleans(), token=st.integers(0, 5))
     def read_ends(self, data, ok: bool, token: int) -> None:
-        """A KV read lands with prefill's first token, or fails mid-way (502)."""
+        """A KV read lands with prefill's first token (for a constrained request 0 and 3 are ones its grammar
+        refuses), or fails mid-way (502)."""
         rid = data.draw(st.sampled_from(self.open_reads()))
         HITS["read landed" if ok else "read failed"] += 1
         if ok:
@@ -327,6 +357,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for name, was, is_ in (("retraction", retractions, now[0]), ("restore from L2", restored, now[1]),
                                ("L1 eviction", evicted, now[2])):
             HITS[name] += is_ > was
+        if any(r.grammar is not None and r.state is S.RETRACTED for r in self.sched.requests.values()):
+            HITS["constrained request retracted"] += 1
         pending = [i for i, r in enumerate(queued) if self.peer.peers.get(r.rid) == "pending"]
         if pending and any(r.state not in (S.QUEUED, S.MATCHING) for r in queued[pending[0] + 1:]):
             HITS["admitted past an unanswered peer"] += 1
@@ -445,9 +477,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             if rid in self.peer.peers and rid not in self.peer.received:
                 assert rid in self.peer.forgotten, f"{rid} ended before admission but its handshake was not stopped"
             self.check_scored(rid, req)
+            if req.grammar is not None:
+                self.check_constrained(rid, req)
             if req.state is S.FINISHED:
                 assert last is not None and last.error is None and last.finish_reason is not None, rid
-                assert tokens == req.inp.params.max_new_tokens, f"{rid} finished after {tokens} tokens"
+                if req.grammar is None:
+                    assert tokens == req.inp.params.max_new_tokens, f"{rid} finished after {tokens} tokens"
             else:
                 assert last is not None and last.error is not None, f"{rid} aborted without an error event"
                 assert last.error.status in self.allowed[rid], (
@@ -475,6 +510,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"{rid}'s prompt logprob at {pos} is {lp}, a cache-free forward gives {ref[pos - 1, ids[pos]]}")
         HITS["scored prompt after a cache hit" if req.cached_tokens.get("device", 0) else "scored prompt"] += 1
 
+    def check_constrained(self, rid: str, req: Req) -> None:
+        """A constrained output reads as a prefix of a sentence of the grammar; it stops at the sentence's end, at
+        its length, or at a dead end, which only prefill's first token can reach (decode masks its own picks)."""
+        ids = [t for e in self.events[rid] for t in e.token_ids]
+        reason = (self.events[rid][-1].finish_reason or {}) if self.events[rid] else {}
+        if reason.get("type") == "abort":
+            assert rid in self.peer.peers and len(ids) == 1 and ids[0] % 3 not in (1, 2), (
+                f"{rid} hit a dead end at {ids} ({reason}): only a refused first token from prefill may")
+            HITS["grammar dead end"] += 1
+            return
+        text = "".join(LETTERS[t % 3] for t in ids if t != STOP)
+        assert GRAMMAR_PREFIX.fullmatch(text), f"{rid}'s output {text!r} ({ids}) breaks {GRAMMAR}"
+        assert STOP not in ids[:-1], f"{rid} went on after its stop token: {ids}"
+        if reason.get("type") == "stop":
+            assert re.fullmatch(GRAMMAR, text) and ids[-1] == STOP, f"{rid} stopped at {text!r} ({ids})"
+            HITS["grammar completed"] += 1
+
     def check_all(self) -> None:
         self.pages_are_accounted_for()
         self.unanswered_peers_hold_nothing()
@@ -494,14 +546,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.loop.close()
 
     def drive_to_completion(self) -> None:
-        """Every peer answers, every read lands, copies run: all requests end, and every page comes back."""
+        """Every peer answers, every read lands (some with a first token a grammar refuses), copies run: all requests
+        end, and every page comes back."""
         for _ in range(400):
             if not self.sched.requests:
                 break
             for rid in self.peers_in("pending"):
                 self.peer.peers[rid] = "answered"
-            for rid in self.open_reads():
-                self.peer.reads[rid].set_result((1, -0.5))
+            for rid in self.open_reads():  # token 3 is one a constrained request's grammar refuses
+                self.peer.reads[rid].set_result((int(rid[1:]) % 4 + 1, -0.5))
             self.step(steps=1, copies=True)
             self.check_all()
         assert not self.sched.requests, f"requests never ended: {self.live()}"
@@ -517,7 +570,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.cache.host_alloc.num_used == 0, "after a flush L2 pages are in use"
 
 
-FAST = settings(max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=90, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
@@ -617,6 +670,14 @@ def _scored_prompts_match_the_whole_prompt(req):
     return None
 
 
+def _no_token_mask(grammars, vocab_size):
+    return None
+
+
+def _dead_ends_go_on(self, seq):
+    self.matcher.accept_token(seq.output_ids[-1])
+
+
 fail, add, grow = Scheduler._fail, Queues.add, Scheduler._grow
 PLANTED = {
     "admits a request whose peer has not answered": (Admission, "_first_answered", _admit_unanswered,
@@ -642,6 +703,10 @@ PLANTED = {
     "a scored prompt takes cached KV past where it scores": (admission, "computed_before",
                                                              _scored_prompts_match_the_whole_prompt,
                                                              "prompt logprob|scored"),
+    "the step's token mask is never applied": (scheduler_module, "fill_mask", _no_token_mask,
+                                               "breaks|dead end"),
+    "a token the grammar refuses does not end the request": (RowGrammar, "advance", _dead_ends_go_on,
+                                                              "breaks|went on"),
 }
 
 
