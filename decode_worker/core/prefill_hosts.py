@@ -1,19 +1,8 @@
 """Which prefill workers a decode worker may call (``--prefill-hosts``).
 
-Decode posts its handshake, with the PD token in a header, to the ``bootstrap_host`` a request names. Any client
-can name a host, so decode talks only to the prefill workers it was told about. An entry is ``host[:port]``: an
-IP address, or a DNS name (a Kubernetes headless service lists every ready prefill pod under one name). A
-request's host matches an entry when it is the same name or address, or an address the entry's name resolves
-to. Names a request sends are never resolved: only names from the operator are, so a client can neither make
-decode look up a name of its choosing nor point a name it controls at a victim.
-
-Resolution runs in the loop's resolver threads (``getaddrinfo``), never on the event loop. Addresses are cached
-for ``ttl_s``: an address not in the cache, or a cache past its age, triggers one shared re-resolution (at most
-one in flight, at most one per ``min_refresh_s``) before the request is refused, so a pod that has just joined
-the service is not refused for long. When DNS fails the last known addresses stay in use, and a warning says so.
-
-With no entries, only loopback prefill workers are allowed: the single-host deployments (``decode-worker up``,
-the tests) work unchanged, and a decode worker that nobody configured never sends its token off the host.
+Any client can name a ``bootstrap_host``, so decode sends its handshake and PD token only to the hosts the operator
+listed (loopback only when none are). Only the operator's names are resolved, off the loop, cached for ``ttl_s``;
+docs/security.md gives the rules.
 """
 from __future__ import annotations
 
