@@ -1,5 +1,5 @@
 """Hierarchical radix KV cache: one radix tree over an L1 (device) and an optional L2 (host) page pool, with an
-optional L3 tier behind L2. How its parts fit, and who may touch a page: docs/architecture.md ("The cache").
+optional L3 tier behind L2.
 
 A request uses it in two phases so that the budget is checked before anything moves:
 
@@ -11,12 +11,8 @@ A request uses it in two phases so that the budget is checked before anything mo
     cache.insert(token_key(all_ids), pages)        # on finish or retraction; pages = h.take_pages() + decode's
     cache.release(h)                               # unlock; frees whatever the handle still owns
 
-``release`` is also the abort path. A load-back it started is not cancelled (another request may share the
-restored nodes): the copy holds its own lock, finishes, and drops it at the next ``poll``.
-
-Tiers per node: device-only, device+host, host-only; device nodes are closed under ancestors. A node that loses
-its last tier is removed with its subtree; a locked one (a gap) stays, unmatched, until its last unlock. Each copy
-in flight holds a lock on the nodes it reads or writes, so neither tier frees pages under a running copy.
+``release`` is also the abort path; a load-back it started finishes under the copy's own lock (another request
+may share the restored nodes). Tiers per node, locks, policies and who may touch a page: docs/architecture.md.
 
 Long because one class owns the tree's meaning, as the design asks: the parts it composes (allocation, copy
 bookkeeping, copy engine, L3 link, eviction order) hold state and no decisions about nodes, and splitting the

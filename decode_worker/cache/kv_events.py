@@ -1,23 +1,10 @@
-"""KV events: which pages this worker holds on which tier, told to KV-aware routers (llm-d's precise prefix-cache
-scorer, NVIDIA Dynamo's KV router) as it changes, in vLLM's event format.
+"""KV events: which pages this worker holds on which tier, in vLLM's event format, for KV-aware routers (llm-d,
+Dynamo). The wire format and what each field means: README, "KV events for KV-aware routers".
 
 The tree calls ``TreeEvents`` each time a node gains or loses a tier; it turns the node into one event covering
-its pages and hands it to ``emit`` (the publisher's non-blocking ``put``). Nothing here does I/O, so the cache
-stays free of sockets and threads; ``engine/kv_event_publisher.py`` encodes and sends.
-
-What the events say, per page (vLLM calls a page a block):
-- ``block_hashes``: our chained page hash (``RadixTree.page_hashes``: SHA-256 over the parent page's digest and
-  the page's tokens, seeded with the KV layout fingerprint), cut to its first 8 bytes read as a big-endian
-  signed 64-bit integer, the hash type both Dynamo (i64/u64 only) and llm-d (int or bytes) decode.
-- ``parent_block_hash``: the same for the page before the event's first page; None at the start of a prompt.
-- ``token_ids``: the pages' tokens; ``block_size``: the page size.
-- ``medium``: ``GPU`` for L1 (the tier the model computes from, whatever the device: that is what vLLM names
-  its own cache) and ``CPU`` for L2. L3 is not published: its stores are asynchronous and may be dropped, the
-  file and Redis backends evict on their own without telling us, and a Redis store is shared between workers,
-  so "this worker holds it" would be wrong.
-
-Split and remove need no events: a split keeps every page's hash and tiers, and a removed node holds no tier
-(its pages were released first, each release an event).
+its pages and hands it to ``emit`` (the publisher's non-blocking ``put``), so the cache does no I/O. A split or a
+removal sends nothing: a split keeps every page's hash and tier, and a removed node holds no tier. L3 is not
+published (its stores are asynchronous, evict on their own and may be shared between workers).
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The eviction order, as a strategy the cache holds: which unlocked leaf each tier gives up first, and whether a
-victim may give up only part of its pages; and ``LeafHeap``, the evictable leaves of one tier kept in that order.
-
-The tree adds a node to a ``LeafHeap``, or discards it from ``members`` (its heap entry goes stale and ``pop``
-skips it), whenever its evictability changes, so an eviction batch costs time in proportion to what it evicts
-rather than a walk of the tree. A rank only grows while a node waits (``touch`` moves its last access and hit
-count forward), so an entry is checked against the node's current rank when it reaches the top and pushed back
-if it grew: ``touch`` needs no heap update, and ``pop`` still returns the true minimum.
+"""The eviction order, a strategy the cache holds: which unlocked leaf each tier gives up first and whether a
+victim may give up only part of its pages; and ``LeafHeap``, one tier's evictable leaves kept in that order, so an
+eviction batch costs what it evicts rather than a walk of the tree (docs/architecture.md, "Cache internals").
 """
 from __future__ import annotations
 
