@@ -111,15 +111,9 @@ RESERVED = -3  # ...of one never handed out
 
 
 class PageAllocator:
-    """All-or-nothing page allocator with double-free detection, on whole arrays.
-
-    The free pages are a stack in one int64 array: ``alloc`` hands out its top as one slice, ``free`` pushes a
-    batch back with one slice assignment, so a 1,000-page request costs a few array operations, not a Python
-    step per page. The double-free check is vectorised too: every page of a batch must be in use, and stamping
-    each with its position in the batch then reading the stamps back finds a page listed twice (the later stamp
-    overwrites the earlier one) without sorting. ``reserved`` leading pages are never handed out (the device
-    pool keeps page 0 as scratch).
-    """
+    """All-or-nothing page allocator on whole arrays, refusing a double free: a free stack in one int64 array and
+    a vectorised in-use check (docs/architecture.md, "Free-stack allocator"). ``reserved`` leading pages are never
+    handed out (the device pool keeps page 0 as scratch)."""
 
     def __init__(self, num_pages: int, reserved: int = 0):
         if num_pages <= reserved:

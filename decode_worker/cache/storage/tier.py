@@ -1,14 +1,10 @@
-"""The L3 tier as the hierarchical cache sees it: prefetch into L2 pages, background backup out of L2 pages.
+"""The L3 tier as the cache sees it: prefetch into L2 pages, background backup out of L2 pages.
 
-Every store call runs under a deadline, and any failure (store down, slow, full, a record that does not
-verify) becomes a miss plus a count in ``failures[(op, reason)]``; nothing here raises into a request. After a
-store error the tier opens a circuit for ``down_for_s``: calls in that window are skipped at once (counted as
-``unavailable``) instead of each paying a connect timeout, and the first call after it probes the store again.
-
-Prefetch writes only verified pages, in order, each into its L2 page, and stops at the first miss; a request
-waits for it as its PrefetchPolicy says, then takes the pages that arrived. Backup copies the L2 pages out at
-once (L2 may evict them the moment the call returns) and stores them from a bounded background queue.
-Called from the event loop only; file I/O, checksums and record checks run in worker threads.
+Every store call runs under a deadline; a failure (down, slow, full, a record that does not verify) becomes a miss
+and a count in ``failures[(op, reason)]``, never an error in a request, and a store error opens a circuit that
+skips calls for ``down_for_s``. A prefetch writes only verified pages, in order, stopping at the first miss; a
+backup copies its L2 pages out at once (L2 may evict them when the call returns) and stores them from a bounded
+queue. Event loop only; file I/O and record checks run in worker threads.
 """
 from __future__ import annotations
 
