@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -152,15 +153,17 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
 
 def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], per_choice: bool,
                 plan: ToolPlan | None) -> GenerateInput:
-    """A required call is refused until constrained decoding can hold the answer to it."""
-    if plan is not None and plan.required:
-        raise RequestError("tool_choice 'required' or naming a function is not supported yet (it needs constrained "
-                           "decoding): use 'auto'")
+    """A required call (tool_choice required or naming a function) holds the answer to the plan's schema of
+    calls, so it cannot also follow another grammar."""
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true")
     params = _sampling(body, max_tokens, body.top_logprobs or 0)
+    if plan is not None and plan.required:
+        if params.grammar is not None:
+            raise RequestError(f"tool_choice and {params.grammar_name} each ask for a grammar: give one of them")
+        params = replace(params, json_schema=plan.json_schema(), grammar_field="tools")
     return GenerateInput(rid, prompt, params, False, None if per_choice else bootstrap(body, 0, engine.config))
 
 

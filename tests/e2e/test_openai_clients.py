@@ -238,3 +238,38 @@ def test_regex_shaped_answers_through_pd_on_every_route(targets):
     obj = client(targets["pd"]).chat.completions.create(model="default", messages=CITY_QUESTION, max_tokens=40,
                                                         temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_tool_call_through_pd_whole_and_streamed(targets, choice):
+    """The client gets a call it can run (its arguments keep to the tool's schema), streamed as its accumulator
+    expects, and PD's greedy call is the colocated worker's."""
+    import jsonschema_rs
+    from openai.types.chat import ChatCompletion
+
+    ask = {"model": "default", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+           "tools": [WEATHER_TOOL], "tool_choice": choice, "max_tokens": 60, "temperature": 0}
+    calls = {}
+    for name, url in targets.items():
+        body = strict(client(url).chat.completions.with_raw_response.create(**ask), ChatCompletion)
+        choice0 = body["choices"][0]
+        assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None, (name, body)
+        (call,) = choice0["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+        jsonschema_rs.validate(WEATHER_TOOL["function"]["parameters"], json.loads(call["function"]["arguments"]))
+        calls[name] = call["function"]
+        with client(url).chat.completions.stream(**ask) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and not final.message.content
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+            [(call["function"]["name"], call["function"]["arguments"])]
+    assert calls["pd"] == calls["colocated"]
