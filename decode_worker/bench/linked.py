@@ -1,5 +1,5 @@
 """`decode-worker bench --link`: every mode once per link. A shaped link's runs happen in a child process inside
-its own namespace (``python -m decode_worker.bench.linked REQUEST.json``), which shapes the loopback, checks a
+its own namespace (``python -m decode_worker.bench.link_child REQUEST.json``), which shapes the loopback, checks a
 plain TCP stream against the rate, runs the modes and writes its rows; ``local`` runs in this process.
 
 Each row carries its link, the configured rate and the KV rate one request alone achieved on that deployment;
@@ -16,12 +16,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from decode_worker.bench.link import SHAPED_ENV, UNSHARE, Link, check_rate, parse_links, shape_loopback, tcp_gbit
+from decode_worker.bench.link import SHAPED_ENV, UNSHARE, Link, check_rate
 from decode_worker.bench.runner import Plan, Row, run
 from decode_worker.bench.deploy import DeploySpec
 
 
-def _with_link(rows: list[Row], link: Link, tcp: float | None) -> list[Row]:
+def with_link(rows: list[Row], link: Link, tcp: float | None) -> list[Row]:
     out = [dataclasses.replace(r, link=link.name, link_gbit=link.gbit, tcp_probe_gbit=tcp) for r in rows]
     for r in out:
         check_rate(link, r.kv_probe_gbit, f"mode {r.mode}'s KV probe (one request alone, UCX over TCP)")
@@ -41,46 +41,16 @@ def run_links(args: argparse.Namespace, links: list[Link], plan: Plan, spec: Dep
     for link in links:
         link_spec = dataclasses.replace(spec, log_dir=spec.log_dir / link.name)
         if not link.shaped:
-            rows += _with_link(run(plan, link_spec, None, progress), link, None)
+            rows += with_link(run(plan, link_spec, None, progress), link, None)
             continue
         link_spec.log_dir.mkdir(parents=True, exist_ok=True)
         request, result = link_spec.log_dir / "request.json", link_spec.log_dir / "rows.json"
         request.write_text(json.dumps({"args": _args_json(args, link_spec.log_dir),
                                        "link": dataclasses.asdict(link), "out": str(result)}))
-        done = subprocess.run([*UNSHARE, sys.executable, "-m", "decode_worker.bench.linked", str(request)],
+        done = subprocess.run([*UNSHARE, sys.executable, "-m", "decode_worker.bench.link_child", str(request)],
                               env={**os.environ, **SHAPED_ENV})
         if done.returncode != 0:
             raise RuntimeError(f"the run over link {link.name} failed (exit {done.returncode}); logs in "
                                f"{link_spec.log_dir}")
         rows += [Row.from_dict(d) for d in json.loads(result.read_text())]
     return rows
-
-
-def _child(request_path: str) -> int:
-    """Inside the namespace: shape, check the bucket, run every mode, write the rows."""
-    from decode_worker.bench.command import _plan, _progress_bar
-
-    request = json.loads(Path(request_path).read_text())
-    link = Link(**request["link"])
-    shape_loopback(link)
-    tcp = tcp_gbit()
-    check_rate(link, tcp, "a plain TCP stream")
-    print(f"link {link.name}: private loopback shaped, a TCP stream carries {tcp:.3f} Gbit/s", file=sys.stderr)
-    args = argparse.Namespace(**request["args"])
-    args.link = parse_links(args.link)
-    plan, spec, _ = _plan(args)
-    bar, progress = _progress_bar(plan.total_requests)
-    try:
-        rows = _with_link(run(plan, spec, None, progress), link, tcp)
-    finally:
-        bar.close()
-    Path(request["out"]).write_text(json.dumps([r.to_dict() for r in rows]))
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(_child(sys.argv[1]))
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
