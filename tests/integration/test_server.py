@@ -179,15 +179,15 @@ def test_flush_cache(server):
 
 
 def test_documented_fields_not_honoured_are_refused_by_name_and_neutral_values_pass(server):
-    """A caller who asked for structural tags, best_of, predicted outputs or tools hears so; nothing is dropped with
-    a 200."""
+    """A caller who asked for structural tags, best_of, predicted outputs or legacy functions hears so; nothing is
+    dropped with a 200."""
     refused = [
         ("/generate", {"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                  "functions": [{"name": "f"}]}, "functions"),
     ]
     for path, body, name in refused:
         r = post(server, path, body)

@@ -18,10 +18,8 @@ ASKING = {
     "min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
     "min_new_tokens": 4, "structural_tag": "{}", "n": 2, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "no_stop_trim": True, "custom_params": [{}], "logit_bias": {"1": 5},
-    "best_of": 3, "suffix": "end",
-    "stream_options": {"include_usage": True}, "tools": [{"type": "function", "function": {"name": "f"}}],
-    "functions": [{"name": "f"}], "tool_choice": "required", "function_call": {"name": "f"},
-    "top_logprobs": 2, "audio": {"voice": "x"},
+    "best_of": 3, "suffix": "end", "stream_options": {"include_usage": True}, "functions": [{"name": "f"}],
+    "function_call": {"name": "f"}, "top_logprobs": 2, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "store": True, "web_search_options": {},
 }
@@ -29,9 +27,8 @@ NEUTRAL = {
     "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False, "return_hidden_states": False,
     "min_p": 0.0, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
     "n": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
-    "logit_bias": {}, "best_of": 1, "suffix": "", "stream_options": {"include_usage": False}, "tools": [],
-    "tool_choice": "none", "function_call": "auto", "top_logprobs": 0,
-    "modalities": ["text"], "store": False,
+    "logit_bias": {}, "best_of": 1, "suffix": "", "stream_options": {"include_usage": False},
+    "function_call": "auto", "top_logprobs": 0, "modalities": ["text"], "store": False,
 }
 
 
