@@ -22,7 +22,7 @@ run: setup
 	$(VENV)/bin/decode-worker up
 
 generate: setup
-	$(VENV)/bin/decode-worker generate --chat "What is the capital of France?"
+	$(VENV)/bin/decode-worker generate --chat "What is the capital of France? Answer in one sentence."
 
 # Debian packages the tests need: redis-server for the L3 storage tests (they start their own on a free port),
 # promtool (package prometheus) to check the alert rules and the metrics the worker renders, ip and tc (iproute2)

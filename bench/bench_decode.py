@@ -4,12 +4,14 @@ transformers on SmolLM2, same prompts, one run, for the default CPU dtype (``--d
 Prints one JSON line: per dtype, decode tokens/s of both and their ratio per batch size (greedy, ``generate``),
 and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first token; transformers: one
 forward). Medians of ``--repeats`` alternating runs.
-Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto bfloat16]
+The machine's load average (start and end) goes in the line too: absolute figures move with it, ratios less.
+Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -116,16 +118,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "bfloat16"], choices=["auto", "float32", "bfloat16"],
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"], choices=["auto", "float32", "bfloat16"],
                     help="auto: what --dtype auto picks on this machine")
     args = ap.parse_args()
     path = ensure_default_model()
     result = {"bench": "decode", "model": path.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-              "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S, "dtypes": {}}
+              "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S, "load_average_start": os.getloadavg()[0], "dtypes": {}}
     for name in dict.fromkeys(auto_dtype(torch.cuda.is_available())[0] if d == "auto" else d for d in args.dtypes):
         result["dtypes"][name] = bench_dtype(path, getattr(torch, name), args)
         if args.dtypes[0] == "auto" and "default_dtype" not in result:
             result["default_dtype"] = name
+    result["load_average_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 

@@ -15,13 +15,11 @@ def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
-    """(dtype, why): bfloat16 on CUDA, float32 on CPU. A CPU with native bf16 decodes faster in bfloat16 (int4
-    layers included), but the embedded 135M model's answers move with bf16 rounding: "What is the capital of
-    France?" starts at a float32 near-tie ("The" over "L" by 0.08 logits, against bf16 errors of about 1) and our
-    bf16 takes the other branch, so bf16 is opt-in (``--dtype bfloat16``) there."""
+    """(dtype, why): bfloat16 on CUDA and on a CPU with native bf16 (where a GGUF's Q4_1 layers also stay 4-bit),
+    float32 on other CPUs, where bf16 arithmetic is emulated and slower than float32."""
     if cuda:
         return "bfloat16", "CUDA"
     flags = native_bf16_flags(cpuinfo)
     if flags:
-        return "float32", f"CPU; its native bf16 ({', '.join(flags)}) is opt-in with --dtype bfloat16"
+        return "bfloat16", f"CPU with native bf16 ({', '.join(flags)}); --dtype float32 for the float32 reference"
     return "float32", "CPU without native bf16 (no avx512_bf16 or amx_bf16)"

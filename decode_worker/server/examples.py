@@ -19,7 +19,8 @@ COMPLETION_EXAMPLES = {
            "bootstrap_room": [8123456789, 8123456790]},
 }
 CHAT_EXAMPLES = {
-    "chat": {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "chat": {"model": "default",
+             "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
              "max_tokens": 16},
     "stream": {"model": "default", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8,
                "stream": True},

@@ -1,4 +1,4 @@
-"""The fast CPU dtype (bfloat16 with 4-bit layer weights, opt-in with --dtype bfloat16) decodes SmolLM2 greedily
+"""The default CPU dtype (bfloat16 with 4-bit layer weights where the CPU has native bf16) decodes SmolLM2 greedily
 as the float32 reference does on the parity prompts. Where it departs, the float32 logits' top-2 margin at that
 token is printed; a departure in the first half of the output is allowed only at a near-tie of float32 itself
 (a margin under ``NEAR_TIE``, which bf16 rounding can flip), and on one prompt at most. Wrong weights or KV derail
@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
-from tests.unit.test_smollm2 import PROMPTS
+from decode_worker.model.loader import INT4_DENSE_FROM_ROWS
+from tests.unit.test_smollm2 import CHAT_QUESTION, PROMPTS
 
 NEW_TOKENS = 16
 NEAR_TIE = 0.25  # float32 logits
@@ -30,7 +32,12 @@ def top2_margin(llm: LLM, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def default_dtype() -> torch.dtype:
-    return torch.bfloat16
+    return getattr(torch, auto_dtype(torch.cuda.is_available())[0])
+
+
+@pytest.fixture(scope="module")
+def fast(smollm2_path, default_dtype) -> LLM:
+    return LLM(str(smollm2_path), max_total_tokens=4096, dtype=default_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +46,16 @@ def reference(smollm2_path):
     return llm, llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
 
 
-@pytest.mark.slow  # bfloat16 is opt-in on CPU (core/cpu_features.py)
-@pytest.mark.parametrize("batched", [True, False], ids=["batch-of-8", "one-by-one"])
-def test_default_dtype_greedy_matches_float32(smollm2_path, default_dtype, reference, batched):
-    """Batched, the steps are wide enough for the dense bf16 copy; one by one, every decode step runs the int4
-    kernel."""
+@pytest.mark.parametrize("batched", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["batch-of-8", "one-by-one"])
+def test_default_dtype_greedy_matches_float32(fast, default_dtype, reference, batched):
+    """Batched (every prompt twice: decode steps of 16 rows), the steps are wide enough for the dense bf16 copy
+    (``loader.INT4_DENSE_FROM_ROWS``); one by one, every decode step runs the int4 kernel."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    fast = LLM(str(smollm2_path), max_total_tokens=2048, dtype=default_dtype)
-    outs = fast.generate(PROMPTS, params) if batched else [fast.generate([p], params)[0] for p in PROMPTS]
+    if batched:
+        assert 2 * len(PROMPTS) >= INT4_DENSE_FROM_ROWS
+        outs = fast.generate(PROMPTS * 2, params)[: len(PROMPTS)]
+    else:
+        outs = [fast.generate([p], params)[0] for p in PROMPTS]
     ref_llm, ref_outs = reference
     early = []
     for prompt, ref, out in zip(PROMPTS, ref_outs, outs):
@@ -59,3 +68,9 @@ def test_default_dtype_greedy_matches_float32(smollm2_path, default_dtype, refer
             assert margin < NEAR_TIE, f"{prompt!r} departs at token {first} where float32's margin is {margin:.3f}"
             early.append(prompt)
     assert len(early) <= 1, f"departures in the first half on {early}"
+
+
+def test_default_dtype_answers_the_chat_question(fast):
+    """`make generate`'s question, in the default dtype: the answer names Paris."""
+    out = fast.generate([[{"role": "user", "content": CHAT_QUESTION}]], SamplingParams(max_new_tokens=24, temperature=0))
+    assert "Paris" in out[0].text

@@ -1,5 +1,5 @@
-"""``--dtype auto`` (the default): bfloat16 on CUDA, float32 on CPU (native bf16 is opt-in); an explicit dtype is
-kept."""
+"""``--dtype auto`` (the default): bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs; an explicit
+dtype is kept."""
 from __future__ import annotations
 
 import logging
@@ -15,8 +15,8 @@ CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\nprocessor
 
 @pytest.mark.parametrize(("cuda", "extra", "want"), [
     (True, "", "bfloat16"),
-    (False, "avx512_bf16", "float32"),  # opt-in on CPU until our bf16 path agrees with transformers' (see auto_dtype)
-    (False, "amx_tile amx_bf16", "float32"),
+    (False, "avx512_bf16", "bfloat16"),
+    (False, "amx_tile amx_bf16", "bfloat16"),
     (False, "avx512_vnni", "float32"),
 ])
 def test_auto_dtype_follows_the_hardware(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog, cuda: bool, extra: str,

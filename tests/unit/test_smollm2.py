@@ -57,8 +57,13 @@ def test_greedy_batch_matches_transformers(llm, hf_smollm2):
         assert out.output_ids == ref[0, len(ids):].tolist(), prompt
 
 
+# `make generate`'s question: "The capital of France is Paris." at clear margins in float32 and bf16 alike ("What is
+# the capital of France?" alone is a float32 near-tie on its first token, which bf16 answers in French).
+CHAT_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def test_chat_answer_names_paris(llm):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": CHAT_QUESTION}]
     out = llm.generate([messages], SamplingParams(max_new_tokens=24, temperature=0))[0]
     assert "Paris" in out.text
     assert out.finish_reason["type"] in ("stop", "length")
