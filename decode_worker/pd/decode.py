@@ -240,19 +240,23 @@ class DeltaKVFetcher:
         except ValueError as e:  # a field out of range: this request fails, nothing else
             raise self._fail("bad_answer", f"prefill {boot.host}:{boot.port} sent an unusable handshake answer: "
                                            f"{e}") from e
-        return answer, self._peer(peer_key, answer)
+        return answer, await self._peer(peer_key, answer)
 
-    def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
-        """Prefill's agent, loaded once per agent (a restarted prefill brings a new one, which replaces it)."""
+    async def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
+        """Prefill's agent, loaded once per agent (a restarted prefill brings a new one, which replaces it), off the
+        event loop and within the handshake timeout."""
         peer = self.agent.peer(answer.pool.agent)
         if peer is not None:
             return peer
         if not answer.metadata:
             raise self._fail("handshake_rejected", f"prefill agent {answer.pool.agent} sent no metadata")
-        if (old := self._known.get(peer_key)) is not None:
+        if (old := self._known.get(peer_key)) not in (None, answer.pool.agent):
             self._drop_agent(old)
+        timeout = self.config.handshake_timeout_s
         try:
-            peer = self.agent.add_peer(answer.metadata, answer.pool)
+            peer = await self.agent.load_peer(answer.metadata, answer.pool, timeout)
+        except TimeoutError as e:
+            raise self._fail("timeout", f"loading prefill agent {answer.pool.agent} took over {timeout:g}s", 504) from e
         except Exception as e:  # nixl raises its own error types for metadata it cannot load
             raise self._fail("peer_lost", f"cannot load prefill agent {answer.pool.agent}: {e!r}") from e
         self._known[peer_key] = peer.name

@@ -1,10 +1,14 @@
 """The prefill worker's end of the PD handshake: a decode worker says what KV it holds and where to push the rest.
-Included on a prefill worker only, and imported only there: the PD token check comes with the UCX handoff."""
+Included on a prefill worker only, and imported only there: the PD token check comes with the UCX handoff. Each
+refused handshake logs one line: the peer, the room and why."""
 from __future__ import annotations
+
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from decode_worker.core.request import RequestError
 from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
 from decode_worker.pd.prefill import check_pd_token
 from decode_worker.server.dependencies import EngineDep
@@ -19,6 +23,7 @@ _TOKEN_HEADER = {"name": PD_TOKEN_HEADER, "in": "header", "required": False, "sc
                  "description": "the pair's --pd-token; required when this worker has one, refused when not"}
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 # 401 with or without an --api-key: the PD token is checked here.
@@ -26,6 +31,14 @@ router = APIRouter()
                                             "parameters": [_TOKEN_HEADER]},
              responses={200: {"model": HandshakeAccepted}, **errors(400, 401, 404, 409, 413, 503)})
 async def handshake(request: Request, engine: EngineDep) -> JSONResponse:
-    body = await parse_body(request, HandshakeRequest)  # first, so an old peer hears its body is refused
-    check_pd_token(engine.config.pd_token, request.headers.get(PD_TOKEN_HEADER))
-    return JSONResponse(await until_disconnected(request, engine.handshake(body)))
+    body = None
+    try:
+        body = await parse_body(request, HandshakeRequest)  # first, so an old peer hears its body is refused
+        check_pd_token(engine.config.pd_token, request.headers.get(PD_TOKEN_HEADER))
+        return JSONResponse(await until_disconnected(request, engine.handshake(body)))
+    except RequestError as e:
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "an unknown address"
+        asked = f"agent {body.nixl_agent}, room {body.room}" if body is not None else "body refused"
+        log.warning("handshake from %s (%s) %s: %d %s: %s", peer, asked,
+                    "abandoned" if e.status == 499 else "refused", e.status, e.kind, e)
+        raise

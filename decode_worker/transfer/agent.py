@@ -3,7 +3,8 @@
 Decode READs the delta pages from prefill's registered pool into its own pool pages: no staging buffer and no
 gather/scatter copy on either side, and only decode's own agent ever writes decode's pages, so a prefill that dies
 mid-transfer cannot leave a late write behind. A peer's metadata is loaded and its page descriptors prepared once
-(``add_peer``); each transfer then names pages by index (``transfer/descriptors.py``). The peer learns that its
+(``add_peer``; ``load_peer`` does that work on a thread of its own, so a new peer never stalls the event loop);
+each transfer then names pages by index (``transfer/descriptors.py``). The peer learns that its
 pages were read from a notification sent after the read (``notify``), not one attached to it: an attached one
 makes the read complete only after a round trip through the peer's progress (~2 ms here for a 1 MB read that
 takes 0.25 ms alone), and the request would wait for it.
@@ -109,6 +110,8 @@ class KVAgent:
         self._peers: dict[str, Peer] = {}
         self._scratch: tuple | None = None  # a registered page for ``_connect``'s test reads, made on first use
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-peer")  # loads one peer at a time
+        self._loading: dict[str, asyncio.Task[Peer]] = {}  # by agent name: a load a second handshake waits for too
 
     def metadata(self) -> bytes:
         """What a peer loads once to read our pool and notify us."""
@@ -118,14 +121,40 @@ class KVAgent:
         return self._peers.get(name)
 
     def add_peer(self, metadata: bytes, pool: PoolDescriptor) -> Peer:
-        """Load a peer's metadata and prepare its pool's descriptors; kept until ``drop_peer``."""
+        """Load a peer's metadata and prepare its pool's descriptors, here and now; kept until ``drop_peer``."""
+        return self._register(pool, *self._prepare(metadata, pool))
+
+    async def load_peer(self, metadata: bytes, pool: PoolDescriptor, timeout_s: float) -> Peer:
+        """``add_peer`` with its NIXL work on the ``kv-peer`` thread, waited for at most ``timeout_s``
+        (``TimeoutError``). A load that ends later still keeps the peer, and handshakes that arrive meanwhile wait
+        for the same load."""
+        if (peer := self._peers.get(pool.agent)) is not None:
+            return peer
+        if (task := self._loading.get(pool.agent)) is None:
+            task = self._loading[pool.agent] = asyncio.get_running_loop().create_task(self._load(metadata, pool))
+            task.add_done_callback(lambda t: self._loaded(pool.agent, t))
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+    async def _load(self, metadata: bytes, pool: PoolDescriptor) -> Peer:
+        prepared = await asyncio.get_running_loop().run_in_executor(self._loader, self._prepare, metadata, pool)
+        return self._register(pool, *prepared)
+
+    def _loaded(self, name: str, task: asyncio.Task[Peer]) -> None:
+        self._loading.pop(name, None)
+        if not task.cancelled() and (e := task.exception()) is not None:  # its waiters were told; if none is left
+            logger.debug("loading peer %s failed: %r", name, e)
+
+    def _prepare(self, metadata: bytes, pool: PoolDescriptor) -> tuple[str, object]:
+        """The blocking part of adding a peer: its metadata loaded, its pool's descriptor list prepared."""
         name = self.agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
         if name != pool.agent:
             self.agent.remove_remote_agent(name)
             raise ValueError(f"peer metadata names agent {name!r}, its pool names {pool.agent!r}")
-        dlist = self.agent.prep_xfer_dlist(name, pool.table(), pool.mem)
+        return name, self.agent.prep_xfer_dlist(name, pool.table(), pool.mem)
+
+    def _register(self, pool: PoolDescriptor, name: str, dlist: object) -> Peer:
         self._peers[name] = peer = Peer(name, pool, dlist)
         self._map(peer)
         return peer
@@ -293,6 +322,7 @@ class KVAgent:
         if self._pool_server is not None:
             self._pool_server.close()
         self._copier.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
         for name in list(self._peers):
             self.drop_peer(name)
         self._local.release()

@@ -108,9 +108,18 @@ def handshake_body(room: int, layout: dict | None = None) -> dict:
 @pytest.mark.parametrize("headers,fragment", [({}, "missing X-PD-Token header"),
                                               ({"X-PD-Token": "t"}, "does not match")])
 def test_handshake_without_the_right_header_is_401(workers, headers, fragment):
-    resp = httpx.post(workers["prefill-t"].url + "/v1/pd/handshake", json=handshake_body(next(rooms)),
+    room = next(rooms)
+    resp = httpx.post(workers["prefill-t"].url + "/v1/pd/handshake", json=handshake_body(room),
                       headers=headers, timeout=10)
     assert resp.status_code == 401 and fragment in resp.json()["error"]["message"], resp.text
+    assert_refusal_logged(workers["prefill-t"], f"room {room})", "401", fragment)
+
+
+def assert_refusal_logged(prefill: Proc, *fragments: str) -> None:
+    """Prefill logged the refused handshake: one line naming the peer, the room and the reason."""
+    lines = [line for line in prefill.log.read_text().splitlines()
+             if "handshake from 127.0.0.1:" in line and all(f in line for f in fragments)]
+    assert len(lines) == 1 and "refused" in lines[0], lines
 
 
 def test_token_in_the_body_is_refused_naming_the_field(workers):
@@ -118,14 +127,17 @@ def test_token_in_the_body_is_refused_naming_the_field(workers):
     resp = httpx.post(workers["prefill-t"].url + "/v1/pd/handshake", json=body, headers={"X-PD-Token": "T"}, timeout=10)
     assert resp.status_code == 400, resp.text
     assert "'token'" in resp.json()["error"]["message"] and "X-PD-Token" in resp.json()["error"]["message"]
+    assert_refusal_logged(workers["prefill-t"], "(body refused)", "400", "'token'")
 
 
 def test_right_header_reaches_the_room_lookup(workers):
     prefill = workers["prefill-t"]
     layout = httpx.get(prefill.url + "/server_info", timeout=10).json()["kv_layout"]
-    resp = httpx.post(prefill.url + "/v1/pd/handshake", json=handshake_body(next(rooms), layout),
+    room = next(rooms)
+    resp = httpx.post(prefill.url + "/v1/pd/handshake", json=handshake_body(room, layout),
                       headers={"X-PD-Token": "T"}, timeout=10)
     assert resp.status_code == 404 and "unknown room" in resp.json()["error"]["message"], resp.text
+    assert_refusal_logged(prefill, f"room {room})", "404", "unknown room")
 
 
 # ---- batched bodies -----------------------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
-"""A prefill peer replaced mid-read, and the prefill's lease-expiry task, fail only cleanly (issue 26)."""
+"""A prefill peer replaced mid-read, and the prefill's lease-expiry task, fail only cleanly; a new peer is loaded
+without stalling decode's event loop (issue 26)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from decode_worker.core.request import RequestError
 from decode_worker.engine import engine as engine_module
 from decode_worker.engine.engine import Engine
 from decode_worker.metrics import Metrics
@@ -34,6 +38,9 @@ class FakeAgent:
         self.peers[pool.agent] = peer = SimpleNamespace(name=pool.agent)
         return peer
 
+    async def load_peer(self, metadata, pool, timeout_s):
+        return self.add_peer(metadata, pool)
+
     def drop_peer(self, name):
         self.dropped.append(name)
         self.peers.pop(name, None)
@@ -61,13 +68,13 @@ def test_replacing_a_peer_waits_for_its_reads_in_flight():
         pool = SimpleNamespace(page_size=16, layout=SimpleNamespace(page_bytes=64))
         fetcher = DeltaKVFetcher(config, pool, agent, Metrics(), vocab_size=100)
         key = ("127.0.0.1", 9)
-        old = fetcher._peer(key, answer("prefill-old"))
+        old = await fetcher._peer(key, answer("prefill-old"))
         room = SimpleNamespace(asked=asyncio.get_running_loop().time(), boot=SimpleNamespace(host="h", port=9),
                                released=False)
         req = SimpleNamespace(rid="r", seq=SimpleNamespace(prompt_ids=[1] * 20), prefix_pages=0)
         reading = asyncio.ensure_future(fetcher._read(req, room, answer("prefill-old"), old, [7, 8]))
         await asyncio.sleep(0.01)
-        new = fetcher._peer(key, answer("prefill-new"))
+        new = await fetcher._peer(key, answer("prefill-new"))
         assert new.name == "prefill-new" and agent.dropped == []  # the old agent's read is still in flight
         agent.gate.set()
         await reading
@@ -120,3 +127,102 @@ def test_lease_expiry_survives_a_failing_pass(monkeypatch):
 
     asyncio.run(scenario())
     assert len(released) == 1
+
+
+SLOW_LOAD_S = 0.3
+
+
+def slow_loads(monkeypatch, agent: KVAgent) -> list[bytes]:
+    """``agent`` takes ``SLOW_LOAD_S`` to load a peer's metadata (as NIXL may on a busy host, or with many
+    registered regions); returns the metadata it was asked to load, one entry per call."""
+    real, calls = agent.agent.add_remote_agent, []
+
+    def slow(metadata):
+        calls.append(metadata)
+        time.sleep(SLOW_LOAD_S)
+        return real(metadata)
+    monkeypatch.setattr(agent.agent, "add_remote_agent", slow)
+    return calls
+
+
+async def worst_loop_gap(work) -> tuple[object, float]:
+    """``work``'s result, and the longest the event loop went without running a 2 ms ticker meanwhile."""
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.002)
+            now = time.monotonic()
+            gaps.append(now - last - 0.002)
+            last = now
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.01)
+    try:
+        result = await work
+        await asyncio.sleep(0.01)  # the ticker's wake-up after the work, which measures a stall the work caused
+    finally:
+        ticker.cancel()
+    return result, max(gaps)
+
+
+def fetcher_over(agent: KVAgent, handshake_timeout_s: float, metrics: Metrics) -> DeltaKVFetcher:
+    config = SimpleNamespace(handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=5.0)
+    pool = SimpleNamespace(page_size=16, layout=SimpleNamespace(page_bytes=agent.pool.page_bytes))
+    return DeltaKVFetcher(config, pool, agent, metrics, vocab_size=100)
+
+
+@pytest.fixture
+def agents():
+    made = [KVAgent(torch.zeros(4, 1, 2, 16), role) for role in ("prefill", "decode", "decode")]
+    yield made
+    for agent in made:
+        agent.close()
+
+
+def test_a_new_prefill_agent_is_loaded_off_the_event_loop(monkeypatch, agents):
+    """The first handshake with a prefill loads its NIXL agent: a slow load stalls the loop when done on it (the
+    old way, kept by ``add_peer`` for tools), not through the fetcher, and two handshakes arriving together
+    load it once."""
+    prefill, on_loop, decode = agents
+    slow_loads(monkeypatch, on_loop)
+    calls = slow_loads(monkeypatch, decode)
+    fetcher = fetcher_over(decode, 5.0, Metrics())
+    ans = SimpleNamespace(pool=prefill.pool, metadata=prefill.metadata())
+
+    async def inline() -> object:
+        return on_loop.add_peer(ans.metadata, ans.pool)
+
+    async def scenario() -> None:
+        _, blocked = await worst_loop_gap(inline())
+        assert blocked >= SLOW_LOAD_S * 0.8, blocked  # the probe sees a load done on the loop
+        two = asyncio.gather(*(fetcher._peer(("127.0.0.1", 9), ans) for _ in range(2)))
+        (first, second), gap = await worst_loop_gap(two)
+        assert gap < 0.1, f"the loop stalled {gap * 1000:.0f} ms while a new peer was loaded"
+        assert first is second is decode.peer(prefill.name) and len(calls) == 1
+        await fetcher.http.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_load_past_the_handshake_timeout_fails_its_request_and_the_peer_still_arrives(monkeypatch, agents):
+    prefill, _, decode = agents
+    slow_loads(monkeypatch, decode)
+    metrics = Metrics()
+    fetcher = fetcher_over(decode, SLOW_LOAD_S / 4, metrics)
+    ans = SimpleNamespace(pool=prefill.pool, metadata=prefill.metadata())
+
+    async def scenario() -> None:
+        with pytest.raises(RequestError) as failed:
+            await fetcher._peer(("127.0.0.1", 9), ans)
+        assert failed.value.status == 504 and "took over" in str(failed.value), str(failed.value)
+        for _ in range(100):
+            if decode.peer(prefill.name) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.peer(prefill.name) is not None  # the next handshake finds it loaded
+        assert await fetcher._peer(("127.0.0.1", 9), ans) is decode.peer(prefill.name)
+        await fetcher.http.aclose()
+
+    asyncio.run(scenario())
+    assert metrics.transfer_failures.labels("timeout")._value.get() == 1
