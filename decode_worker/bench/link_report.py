@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from decode_worker.bench.report import fmt, hits
+from decode_worker.bench.report import fmt, hits, own_share
 from decode_worker.bench.runner import Row
 from decode_worker.bench.ttft_model import fit_and_check, model_tables
 
@@ -76,12 +76,12 @@ PARTS = ("client", "router_and_http", "prefill_queue", "prefill_compute", "kv_tr
 
 def _parts_table(rows: Sequence[Row]) -> str:
     head = ("| workload | link | mode | client TTFT | router + HTTP | prefill queue | prefill compute | KV transfer "
-            "| decode queue (alongside prefill) | decode worker's own share (mean) | load avg start → end |")
+            "| decode queue (alongside prefill) | decode worker's own share (mean) "
+            "| decode's own, per request p50 / p99 | load avg start → end |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        t = r.workers.ttft_parts_s
-        means = " | ".join(fmt(t[k], 1.0, 3) for k in PARTS)
-        lines.append(f"| {r.workload} | {r.link} | {r.mode} | {means} "
+        means = " | ".join(fmt(r.workers.ttft_parts_s[k], 1.0, 3) for k in PARTS)
+        lines.append(f"| {r.workload} | {r.link} | {r.mode} | {means} | {own_share(r)} "
                      f"| {r.load_average[0]:.1f} → {r.load_average[1]:.1f} |")
     return "\n".join(lines)
 
@@ -95,10 +95,11 @@ def _savings_table(found: list[Saving]) -> str:
     return "\n".join(lines)
 
 
-OWN_SHARE_NOTE = ("The decode worker's own share is its TTFT less prefill's (queue and compute) and the KV "
+OWN_SHARE_NOTE = ("The decode worker's own share (mean) is its TTFT less prefill's (queue and compute) and the KV "
                   "transfer: the handshake round trip, admission, the wait for the running step and bookkeeping. "
-                  "It is a mean from the workers' histograms: a per-request p50/p99 of it would need per-request "
-                  "timings the worker does not export.")
+                  "Its per-request p50 / p99 come from decode_worker_decode_own_seconds, timed on each PD request "
+                  "from prefill's answer arriving to the first token leaving, less the KV read (so without the "
+                  "answer's trip from prefill), read from the histogram's buckets as histogram_quantile does.")
 
 
 def _in_order(rows: Sequence[Row]) -> list[Row]:

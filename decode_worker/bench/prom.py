@@ -37,6 +37,26 @@ class Scrape:
         count = self.get(histogram + "_count")
         return self.get(histogram + "_sum") / count if count else None
 
+    def quantile(self, histogram: str, q: float) -> float | None:
+        """The ``q`` quantile of a histogram's observations, as Prometheus's ``histogram_quantile`` estimates it:
+        linear inside the bucket it falls in, the last finite bound past it; None without observations."""
+        cumulative: dict[float, float] = {}
+        for (name, labels), value in self.samples.items():
+            if name == histogram + "_bucket":
+                le = float(dict(labels)["le"])
+                cumulative[le] = cumulative.get(le, 0.0) + value
+        buckets = sorted(cumulative.items())
+        if not buckets or not buckets[-1][1]:
+            return None
+        rank, low, below = q * buckets[-1][1], 0.0, 0.0
+        for high, count in buckets:
+            if count >= rank:
+                if high == float("inf"):
+                    return low
+                return high if count == below else low + (high - low) * (rank - below) / (count - below)
+            low, below = high, count
+        return low
+
     def __sub__(self, before: Scrape) -> Scrape:
         return Scrape({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
 

@@ -35,6 +35,12 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}"
 
 
+def own_share(row: Row) -> str:
+    """The decode worker's own share of TTFT per request, p50 / p99 seconds (``timings._decode_own``)."""
+    own = row.workers.decode_own_s or {}
+    return f"{fmt(own.get('p50'), 1.0, 3)} / {fmt(own.get('p99'), 1.0, 3)}"
+
+
 def hits(row: Row) -> str:
     h = row.workers.hit_rate
     if h is None:
@@ -58,7 +64,8 @@ def table(rows: Sequence[Row]) -> str:
             f"| TTFT p50 vs {base_mode} | req/s vs {base_mode} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     parts_head = ("| workload | mode | client TTFT | router + HTTP | prefill queue | prefill compute | KV transfer "
-                  "| decode other | decode queue (alongside prefill) | load avg start → end |")
+                  "| decode other | decode queue (alongside prefill) | decode's own, per request p50 / p99 "
+                  "| load avg start → end |")
     parts = [parts_head, "|" + "---|" * (parts_head.count("|") - 1)]
     for workload in dict.fromkeys(r.workload for r in rows):
         group = [r for r in rows if r.workload == workload]
@@ -75,7 +82,8 @@ def table(rows: Sequence[Row]) -> str:
                 f"| {ratio(c.ttft_s['p50'], base.client.ttft_s['p50'])} "
                 f"| {ratio(c.request_throughput, base.client.request_throughput)} |")
             means = " | ".join(fmt(t[k], 1.0, 3) for k in PARTS)
-            parts.append(f"| {workload} | {r.mode} | {means} | {r.load_average[0]:.1f} → {r.load_average[1]:.1f} |")
+            parts.append(f"| {workload} | {r.mode} | {means} | {own_share(r)} "
+                         f"| {r.load_average[0]:.1f} → {r.load_average[1]:.1f} |")
     notes = [RESTART_NOTE] if any(r.mode == "restart" for r in rows) else []
     parts_title = "TTFT parts (mean seconds, from the workers' histograms):"
     return "\n\n".join(["\n".join(lines), *notes, parts_title, "\n".join(parts)]) + "\n"

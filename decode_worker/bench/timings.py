@@ -39,6 +39,7 @@ class WorkerStats:
     kv_received_tokens: float | None
     load_back_tokens: float | None
     ttft_parts_s: dict[str, float | None]
+    decode_own_s: dict[str, float | None] | None = None  # per request: p50, p99 (and the mean) of decode_own_seconds
 
     @classmethod
     def of(cls, client_ttft_mean: float | None, decode: Scrape | None, prefill: Scrape | None) -> WorkerStats:
@@ -52,7 +53,15 @@ class WorkerStats:
             kv_received_tokens=decode.get(P + "kv_received_tokens_total") if decode else None,
             load_back_tokens=decode.get(P + "load_back_tokens_total") if decode else None,
             ttft_parts_s=ttft_parts(client_ttft_mean, decode, prefill),
+            decode_own_s=_decode_own(decode) if decode else None,
         )
+
+
+def _decode_own(decode: Scrape) -> dict[str, float | None]:
+    """The decode worker's own share of each PD request's TTFT (prefill's answer in, first token out, less the
+    read), from its histogram: per-request quantiles, not a difference of means."""
+    name = P + "decode_own_seconds"
+    return {"p50": decode.quantile(name, 0.5), "p99": decode.quantile(name, 0.99), "mean": decode.mean(name)}
 
 
 def _ratio(num: float, den: float) -> float | None:

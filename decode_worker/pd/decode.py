@@ -72,7 +72,8 @@ class _Room:
 
     boot: Bootstrap
     asked: float  # monotonic time the handshake was posted
-    task: asyncio.Task[tuple[Answer, Peer]]
+    task: asyncio.Task[tuple[Answer, Peer]] | None = None
+    answered: float = 0.0  # monotonic time prefill's answer arrived: decode's own share of TTFT starts here
     released: bool = False  # prefill was told to free the room's pages (by the read's notification or on its own)
 
 
@@ -131,12 +132,14 @@ class DeltaKVFetcher:
                 first = answer.prefilled(req.inp.logprob_start, req.seq.params.top_logprobs)
             except BadAnswer as e:
                 raise self._fail("bad_answer", f"prefill {room.boot.host}:{room.boot.port} answered: {e}") from e
-            await self._read(req, room, answer, peer, delta_pages.tolist())
+            read_s = await self._read(req, room, answer, peer, delta_pages.tolist())
+            req.own_since = room.answered + read_s  # the first token's emission observes decode_own_seconds
             return first
         finally:
             self._forget_room(req.rid)
 
-    async def _read(self, req: Req, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> None:
+    async def _read(self, req: Req, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> float:
+        """Read the delta into ``into``; returns how long that took."""
         ps, prompt = self.pool.page_size, req.seq.prompt_ids
         prefix_pages = req.prefix_pages
         started = time.monotonic()
@@ -160,7 +163,9 @@ class DeltaKVFetcher:
             room.released = self.agent.notify(peer.name, release_message(answer.room, answer.lease))
         self.metrics.kv_received_tokens.inc(len(prompt) - prefix_pages * ps)
         self.metrics.kv_received_bytes.inc(len(into) * self.pool.layout.page_bytes)
-        self.metrics.kv_transfer.observe(time.monotonic() - started)
+        took = time.monotonic() - started
+        self.metrics.kv_transfer.observe(took)
+        return took
 
     def _done_reading(self, name: str) -> None:
         """One read of agent ``name`` ended; a replaced agent goes once its last read has."""
@@ -179,9 +184,8 @@ class DeltaKVFetcher:
                   req.rid, len(leaked))
 
     def _start(self, req: Req) -> _Room:
-        boot = req.inp.bootstrap
-        task = asyncio.get_running_loop().create_task(self._handshake(boot, req.seq.prompt_ids))
-        room = self._rooms[req.rid] = _Room(boot, time.monotonic(), task)
+        room = self._rooms[req.rid] = _Room(req.inp.bootstrap, time.monotonic())
+        room.task = asyncio.get_running_loop().create_task(self._handshake(room, req.seq.prompt_ids))
         return room
 
     def _forget_room(self, rid: str) -> None:
@@ -206,8 +210,9 @@ class DeltaKVFetcher:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         return headers
 
-    async def _handshake(self, boot: Bootstrap, prompt: list[int]) -> tuple[Answer, Peer]:
+    async def _handshake(self, room: _Room, prompt: list[int]) -> tuple[Answer, Peer]:
         """Ask prefill for the room; answers once prefill holds its KV. Loads prefill's agent the first time."""
+        boot = room.boot
         peer_key = (boot.host, boot.port)
         body = {"room": boot.room, "prompt_len": len(prompt), "prompt_digest": prompt_digest(prompt),
                 "layout": self.pool.layout.describe(), "nixl_agent": self.agent.name,
@@ -216,6 +221,7 @@ class DeltaKVFetcher:
         asked = time.monotonic()
         try:
             resp = await self.http.post(url, json=body, headers=self._auth_headers(boot))
+            room.answered = time.monotonic()
         except httpx.TimeoutException as e:
             raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
         except httpx.HTTPError as e:
@@ -227,7 +233,7 @@ class DeltaKVFetcher:
                 detail = resp.text[:300]
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
-        round_trip = time.monotonic() - asked
+        round_trip = room.answered - asked
         self.metrics.kv_handshake_seconds.observe(round_trip)
         asked_for = Asked(boot.room, len(prompt), self.pool.page_size, self.agent.pool.page_bytes, self.vocab_size,
                           round_trip)

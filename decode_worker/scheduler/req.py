@@ -65,6 +65,7 @@ class Req:
     aborted: RequestError | None = None  # why it must end; it is torn down (ABORTED) at the next safe point
     first_token_sent: bool = False
     last_token_at: float = 0.0  # monotonic time of its last output token (inter-token latency)
+    own_since: float | None = None  # PD decode: prefill's answer arrived, plus the KV read's time (decode_own_seconds)
     retries: int = 0  # failed load-backs so far
     handoff: Prefilled | None = None  # prefill role: the first token and logprobs the handshake's answer carries
     grammar: RowGrammar | None = None  # constrained decoding: where its output stands in its grammar (grammar.py)

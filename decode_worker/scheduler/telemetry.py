@@ -21,6 +21,8 @@ def record_token(metrics: Metrics, req: Req) -> None:
     else:
         req.first_token_sent = True
         metrics.ttft.observe(now - req.stream.created_at)
+        if req.own_since is not None:  # a PD request's first token leaves decode
+            metrics.decode_own.observe(now - req.own_since)
     req.last_token_at = now
     metrics.output_tokens.inc()
 

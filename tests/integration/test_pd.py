@@ -56,18 +56,23 @@ def reference(colocated, text: str) -> list[int]:
 def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode, colocated):
     text_a, text_b = PROMPT + "Question A: who built the roads?", PROMPT + "Question B: who won the wars?"
     before = decode.metric("decode_worker_kv_received_tokens_total")
-    waits = {m: decode.metric(m) for m in ("decode_worker_kv_transfer_seconds_sum", "decode_worker_ttft_seconds_sum")}
+    waits = {m: decode.metric(m) for m in ("decode_worker_kv_transfer_seconds_sum", "decode_worker_ttft_seconds_sum",
+                                           "decode_worker_decode_own_seconds_sum")}
     handshakes = decode.metric("decode_worker_kv_handshake_seconds_count")
+    owns = decode.metric("decode_worker_decode_own_seconds_count")
     first = pd_generate(prefill, decode, {"text": text_a, "sampling_params": GREEDY}, next(rooms))
     assert first.status_code == 200, first.text
     a = first.json()
     assert a["output_ids"] == reference(colocated, text_a)
     assert decode.metric("decode_worker_kv_received_tokens_total") - before == a["meta_info"]["prompt_tokens"]
-    transfer, ttft = (decode.metric(m) - v for m, v in waits.items())
+    transfer, ttft, own = (decode.metric(m) - v for m, v in waits.items())
     # The transfer alone: the wait for prefill's compute is in TTFT, not in it (it was ~all of TTFT when it was).
     # Half, not less: on a loaded 2-core machine the scatter thread waits for a core and the ratio reached 0.4.
     assert 0 < transfer < ttft / 2
     assert decode.metric("decode_worker_kv_handshake_seconds_count") - handshakes == 1
+    # Decode's own share (answer in to first token out, less the read): one per PD request, inside TTFT.
+    assert decode.metric("decode_worker_decode_own_seconds_count") - owns == 1
+    assert 0 < own < ttft - transfer, (own, ttft, transfer)
 
     before = decode.metric("decode_worker_kv_received_tokens_total")
     b = pd_generate(prefill, decode, {"text": text_b, "sampling_params": GREEDY}, next(rooms)).json()

@@ -1,13 +1,17 @@
-"""The pieces of `bench --link` that need no namespace: parsing rates, the rate check, the TTFT model's fit."""
+"""The pieces of `bench --link` that need no namespace: parsing rates, the rate check, the TTFT model's fit, the
+decode worker's own share per request from its histogram."""
 from __future__ import annotations
 
 import pytest
 
 from decode_worker.bench.link import Link, check_rate, parse_links
+from decode_worker.bench.link_report import link_table
+from decode_worker.bench.prom import Scrape
 from decode_worker.bench.runner import Row
 from decode_worker.bench.stats import ClientStats
 from decode_worker.bench.timings import WorkerStats
 from decode_worker.bench.ttft_model import fit_and_check
+from decode_worker.metrics import Metrics
 
 
 def test_rates_parse_and_bad_ones_are_named():
@@ -57,3 +61,29 @@ def test_a_missing_tool_is_named_in_one_line(monkeypatch):
     monkeypatch.setattr(link.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/bin/{tool}")
     problem = link.namespace_problem()
     assert "`tc` is missing" in problem and "iproute2" in problem and "\n" not in problem
+
+
+def test_decode_owns_p50_and_p99_come_from_its_histogram_per_request():
+    """A run's own observations (the scrape after less the one before) give per-request quantiles within a bucket,
+    and the link report shows them."""
+    metrics = Metrics("m")
+    metrics.decode_own.observe(30.0)  # before the run: must not count
+    before = Scrape.parse(metrics.render().decode())
+    own = [0.004 + 0.0002 * i for i in range(98)] + [0.25, 0.4]  # p50 ~ 14 ms, p99 in (0.2, 0.3]
+    for seconds in own:
+        metrics.decode_own.observe(seconds)
+    run = Scrape.parse(metrics.render().decode()) - before
+    stats = WorkerStats.of(None, run, None)
+    assert stats.decode_own_s["p50"] == pytest.approx(0.0138, abs=0.0025)  # its bucket is (10, 15] ms
+    assert 0.2 < stats.decode_own_s["p99"] <= 0.3
+    assert stats.decode_own_s["mean"] == pytest.approx(sum(own) / len(own))
+    assert Scrape().quantile("decode_worker_decode_own_seconds", 0.5) is None
+    row = _row("hier", Link("1gbit", 1e9), 0.5, 0.5)
+    row = Row(**{**row.__dict__, "workers": WorkerStats(**{**row.workers.__dict__, "decode_own_s": stats.decode_own_s,
+                                                            "ttft_parts_s": {k: 0.1 for k in ("client", "router_and_http",
+                                                            "prefill_queue", "prefill_compute", "kv_transfer",
+                                                            "decode_queue", "decode_other")}})})
+    md, _ = link_table([row], {"prefix_len": 80, "suffix_len": 20})
+    p50, p99 = (f"{stats.decode_own_s[k]:.3f}" for k in ("p50", "p99"))
+    assert "per request p50 / p99" in md and f"| {p50} / {p99} |" in md, md
+    assert Row.from_dict(row.to_dict()) == row
