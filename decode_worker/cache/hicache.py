@@ -120,11 +120,9 @@ class HierarchicalCache:
                            restore_nodes=restore, version=tree.version)
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
-        """Lock the matched path, allocate L1 pages for the restore plus ``extra_pages`` (evicting in one batch),
-        and start the L2->L1 copy. Raises OutOfPages (or anything else) having taken nothing. The handle's prefix
-        plus delta pages always come to ``match``'s hit plus ``extra_pages``, even when the match is redone: it is
-        redone when finished copies applied first changed the tree since it was taken.
-        """
+        """Lock the matched path, take L1 pages for the restore plus ``extra_pages`` (one eviction batch) and start
+        the L2->L1 copy; raises OutOfPages having taken nothing. A match the tree changed since is redone, and the
+        handle's prefix plus delta pages still come to ``match``'s hit plus ``extra_pages``."""
         self.poll()
         if match.version != self.tree.version:
             stale, match = match, self.match(match.key)
@@ -177,13 +175,9 @@ class HierarchicalCache:
     # -- insertion --------------------------------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
-        """Cache the full pages of ``tokens``; returns how many tokens were already cached on L1.
-
-        The tree takes ``device_pages[:full pages]``: pages duplicating cached data are freed, and an evicted
-        (host-only) node on the path is revived with the given pages, keeping its host copy. ``backup`` backs the
-        path up to L2 now whatever the policy (a retraction). Pages past a node whose load-back is still in
-        flight are freed, not grafted below it.
-        """
+        """Cache the full pages of ``tokens`` (the tree takes ``device_pages[:full pages]``, frees duplicates and
+        revives a host-only node keeping its host copy); returns the tokens already cached on L1. ``backup``: to L2
+        now whatever the policy (a retraction). Pages past a load-back still in flight are freed."""
         key, device_pages = token_key(tokens), page_ids(device_pages)
         n = len(key) // self.tree.page_bytes
         if len(device_pages) < n:
@@ -194,11 +188,9 @@ class HierarchicalCache:
         return cached * self.page_size
 
     def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
-        """Share a running request's computed full pages (``tokens``' KV; ``pages``: the handle's prefix first)
-        through the tree now. Like ``insert``, except that pages past a load-back in flight stay with the request
-        and the lock moves to the new deepest node. Returns the new handle (the old one is spent) and the
-        request's new pages: the tree's for the cached prefix (a duplicate is freed), then the rest of ``pages``.
-        """
+        """``insert`` for a running request (``pages``: the handle's prefix first), so others hit its pages now;
+        pages past a load-back in flight stay with it and the lock moves down. Returns the new handle (the old one
+        is spent) and the request's pages: the tree's for the cached prefix, then the rest of ``pages``."""
         if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
         key, pages = token_key(tokens), page_ids(pages)
@@ -220,11 +212,9 @@ class HierarchicalCache:
     def _graft(
         self, key: Key, pages: np.ndarray, n: int, *, backup: bool, exact: bool
     ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
-        """Put ``pages[:n]`` (one per whole page of ``key``) into the tree along ``key``, stopping at a node whose
-        L1 data is still arriving; pages duplicating L1 data are freed. ``exact`` splits a node that ``key`` ends
-        inside. Returns the deepest node reached, pages grafted, how many were already on L1, and (with
-        ``exact``) the tree's L1 pages for them, in parts end to end.
-        """
+        """Put ``pages[:n]`` into the tree along ``key`` up to a load-back in flight, freeing duplicates; ``exact``
+        splits a node ``key`` ends inside. Returns the deepest node, pages grafted, how many were on L1 already,
+        and (``exact``) the tree's L1 pages for them, in parts."""
         tree = self.tree
         path, tail = tree.match(key)
         node, pos, cached, dup, kept, tree_pages = tree.root, 0, 0, [], [], []
@@ -324,12 +314,9 @@ class HierarchicalCache:
         self.pages.return_host(pages)
 
     def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
-        """Attach L2 pages holding pages ``from_page, from_page + 1, ...`` of ``tokens`` as a host-only node.
-
-        The tree may have changed since the prefetch began, so this matches again: pages the tree now holds are
-        freed as duplicates, and if the pages before ``from_page`` are no longer cached, or a node in neither tier
-        blocks the spot, every page is freed. Returns the page indices of ``tokens`` the new node holds.
-        """
+        """Attach L2 pages holding pages ``from_page, ...`` of ``tokens`` as a host-only node, matching again:
+        pages the tree holds by now are freed, and all are when the pages before ``from_page`` left the tree or a
+        gap holds the spot. Returns the page indices of ``tokens`` the new node holds."""
         key, host_pages = token_key(tokens), page_ids(host_pages)
         tree, pb = self.tree, self.tree.page_bytes
         end = from_page + len(host_pages)
