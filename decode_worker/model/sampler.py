@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,13 +29,12 @@ class Shaping:
     banned: list[int]
 
 
-@dataclass
-class TokenMask:
-    """The tokens each constrained row may pick at this step (``scheduler/grammar.py`` fills it): bit ``t % 32`` of
-    ``bits[j, t // 32]`` set when row ``rows[j]`` of the batch may pick token ``t``."""
+class TokenMask(Protocol):
+    """The tokens each constrained row of a step may pick (``scheduler/grammar.py`` builds it from the rows'
+    grammars)."""
 
-    rows: list[int]
-    bits: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], on the host
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set every token a constrained row may not pick to -inf, in place, all rows at once."""
 
 
 @dataclass
@@ -53,7 +53,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     logprobs = torch.log_softmax(logits, dim=-1)
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
     if mask is not None:
-        shaped = _apply_mask(shaped.clone() if shaped is logits else shaped, mask)
+        shaped = shaped.clone() if shaped is logits else shaped
+        mask.apply(shaped)
     chosen = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -123,17 +124,6 @@ def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Sha
     if ban:
         rows, tokens = _columns(ban, logits.device)
         logits[rows, tokens] = float("-inf")
-    return logits
-
-
-def _apply_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
-    """Every token ``mask`` does not allow set to -inf in its rows, in place: the bits unpacked to one boolean
-    tensor and applied in one pass, on the logits' device."""
-    bits = mask.bits.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=bits.dtype, device=logits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
-    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

@@ -15,8 +15,8 @@ from decode_worker.core.request import RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import Sequence
 from decode_worker.engine.llm import LLM
-from decode_worker.model.sampler import TokenMask, make_generator, sample
-from decode_worker.scheduler.grammar import GrammarCompiler, RowGrammar, fill_mask
+from decode_worker.model.sampler import make_generator, sample
+from decode_worker.scheduler.grammar import BatchMask, GrammarCompiler, RowGrammar, fill_mask
 from tests.tiny_model import save_tiny_chat_model
 
 SCHEMA = {"type": "object", "properties": {
@@ -34,12 +34,13 @@ def llm(tmp_path_factory) -> LLM:
     return LLM(str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-grammar"))), max_total_tokens=8192)
 
 
-def bits_allowing(allowed: list[list[int]], vocab: int) -> torch.Tensor:
-    bits = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int32)
-    for row, tokens in enumerate(allowed):
+def mask_allowing(allowed: dict[int, list[int]], batch: int, vocab: int) -> BatchMask:
+    """Rows ``allowed`` may pick only their tokens; the other rows' bits say nothing allowed, and must be ignored."""
+    bits = torch.zeros(batch, -(-vocab // 32), dtype=torch.int32)
+    for row, tokens in allowed.items():
         for t in tokens:
             bits[row, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
-    return bits
+    return BatchMask(sorted(allowed), bits)
 
 
 # ---- the sampler's mask ---------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def test_the_mask_limits_only_its_rows_and_leaves_the_reported_logprobs_alone():
     vocab = 100
     logits = torch.randn(4, vocab)
     allowed = {0: [3, 31, 32, 99], 2: [64]}  # word edges and the last token
-    mask = TokenMask([0, 2], bits_allowing([allowed[0], allowed[2]], vocab))
+    mask = mask_allowing(allowed, 4, vocab)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.7, top_k=5)]
     for seed in range(20):
@@ -68,7 +69,7 @@ def test_a_mask_row_with_a_sign_bit_word_unpacks_right():
     """Token 31 is the sign bit of its int32 word: an arithmetic shift must not smear it over the others."""
     logits = torch.zeros(1, 64)
     logits[0, 0] = 5.0  # the best token, not allowed
-    out = sample(logits, [SamplingParams(temperature=0)], [None], mask=TokenMask([0], bits_allowing([[31]], 64)))
+    out = sample(logits, [SamplingParams(temperature=0)], [None], mask=mask_allowing({0: [31]}, 1, 64))
     assert out.token_ids == [31]
 
 
@@ -194,7 +195,7 @@ def test_fill_mask_covers_only_rows_with_a_grammar(llm):
     compiled = GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(SamplingParams(regex="[0-9]"))
     assert fill_mask([None, None], llm.config.vocab_size) is None
     mask = fill_mask([None, RowGrammar(compiled, "regex"), None], llm.config.vocab_size)
-    assert mask.rows == [1] and mask.bits.shape == (1, -(-llm.config.vocab_size // 32))
+    assert mask.rows == [1] and mask.bits.shape == (3, -(-llm.config.vocab_size // 32))
     digits = {llm.tokenizer.encode(str(d))[0] for d in range(10)}
-    allowed = {t for t in range(llm.config.vocab_size) if int(mask.bits[0, t // 32]) >> (t % 32) & 1}
+    allowed = {t for t in range(llm.config.vocab_size) if int(mask.bits[1, t // 32]) >> (t % 32) & 1}
     assert allowed == digits
