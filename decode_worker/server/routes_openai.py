@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse

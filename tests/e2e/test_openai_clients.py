@@ -246,7 +246,8 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+@pytest.mark.parametrize("choice", ["required", pytest.param({"type": "function", "function": {"name": "get_weather"}},
+                                                             marks=pytest.mark.slow)],  # the tiny worker's test has it
                          ids=["required", "named"])
 def test_a_tool_call_through_pd_whole_and_streamed(targets, choice):
     """The client gets a call it can run (its arguments keep to the tool's schema), streamed as its accumulator

@@ -92,8 +92,8 @@ def test_a_conversation_with_calls_and_results_goes_back_to_the_model(worker):
      "tool_choice and response_format each ask for a grammar"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "string", "pattern": "("}}}}}], "tool_choice": "required"}, "tools:"),
-    ({"functions": [{"name": "f"}]}, "field 'functions' is not supported by this worker (legacy function calls: send "
-                                     "tools instead)"),
+    ({"functions": [{"name": "f"}]}, ("field 'functions' is not supported by this worker (legacy function calls: "
+                                      "send tools instead)")),
     ({"function_call": {"name": "f"}}, "field 'function_call' is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
     ({"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},

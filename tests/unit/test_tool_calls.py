@@ -50,8 +50,10 @@ ANSWERS = {  # answer -> (content, calls)
     '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>': (None, [("add", {"a": 1})]),
     # malformed, unknown or cut short: content, as written
     "A <tool_call>{not json}</tool_call> B": ("A <tool_call>{not json}</tool_call> B", []),
-    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>': ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
-    '<tool_call>{"name": "add", "arguments": [1]}</tool_call>': ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', []),
+    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>':
+        ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    '<tool_call>{"name": "add", "arguments": [1]}</tool_call>':
+        ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', []),
     '<tool_call>{"name": "add", "arguments": {}, "extra": 1}</tool_call>':
         ('<tool_call>{"name": "add", "arguments": {}, "extra": 1}</tool_call>', []),
     '<tool_call>{"name": "add", "argu': ('<tool_call>{"name": "add", "argu', []),
@@ -140,8 +142,8 @@ def test_required_is_an_array_of_calls_to_any_tool_each_held_to_its_arguments_sc
 def test_a_named_function_is_the_only_one_allowed_once():
     import jsonschema_rs
 
-    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                     HERMES)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan = tool_plan(request(tools=[WEATHER, ADD], tool_choice=named), HERMES)
     assert plan.required and plan.names == {"get_weather"}
     valid = jsonschema_rs.validator_for(json.loads(plan.json_schema())).is_valid
     assert valid([{"name": "get_weather", "arguments": {"city": "Rome"}}])

@@ -129,8 +129,8 @@ class TaggedReader:
             if not self.inside:
                 at = self.pending.find(self.start)
                 if at < 0:
-                    keep = _partial_tag(self.pending, self.start)
-                    ready, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                    cut = len(self.pending) - _partial_tag(self.pending, self.start)
+                    ready, self.pending = self.pending[:cut], self.pending[cut:]
                     return out + (self.spacing.text(ready) if ready else [])
                 out += self.spacing.text(self.pending[:at]) if at else []
                 self.pending, self.inside = self.pending[at + len(self.start):], True
