@@ -79,9 +79,35 @@ class CompletionResponse(BaseModel):
     usage: ChatUsage
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str  # call_...
+    type: str  # function
+    function: CalledFunctionOut
+
+
 class ChatMessageOut(BaseModel):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None  # with tools, the calls the model made
+
+
+class FunctionDelta(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # its arguments, in the deltas that follow
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first delta carries index, id, type and name; later ones the arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta
 
 
 class TokenLogprob(BaseModel):
@@ -189,6 +215,7 @@ class CompletionChunk(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -71,6 +71,19 @@ def test_a_required_call_is_valid_from_noise_weights_whole_and_streamed(worker, 
     assert not any(e.type == "content.delta" and e.delta for e in events)
 
 
+def test_answers_with_calls_keep_to_the_declared_response_schema(worker):
+    """What /openapi.json declares (and the schema fuzz holds workers to) admits call answers and call deltas."""
+    from decode_worker.server.responses import ChatCompletionChunk, ChatCompletionResponse
+
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400, "seed": 1}
+    whole = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert ChatCompletionResponse.model_validate(whole).choices[0].message.tool_calls
+    with httpx.stream("POST", worker.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [ChatCompletionChunk.model_validate(c).choices[0].delta for c in chunks]
+    assert [d.tool_calls[0].function.name is not None for d in deltas if d.tool_calls] == [True, False]
+
+
 def test_a_conversation_with_calls_and_results_goes_back_to_the_model(worker):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a", "type": "function", "function": {
