@@ -57,6 +57,8 @@ ANSWERS = {  # answer -> (content, calls)
     '<tool_call>{"name": "add", "arguments": {}, "extra": 1}</tool_call>':
         ('<tool_call>{"name": "add", "arguments": {}, "extra": 1}</tool_call>', []),
     '<tool_call>{"name": "add", "argu': ('<tool_call>{"name": "add", "argu', []),
+    '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>':
+        ('<tool_call>{"name": ["add"], "arguments": {}}</tool_call>', []),
 }
 
 
@@ -164,6 +166,11 @@ def test_choices_that_cannot_be_met_are_refused_naming_the_field(fields, fragmen
 
 
 def test_the_format_follows_the_flag_or_the_template():
+    from typing import get_args
+
+    from decode_worker.config import ServerConfig
+
+    assert set(get_args(ServerConfig.model_fields["tool_call_parser"].annotation)) == {"auto"} | set(FORMATS)
     assert pick_format("hermes", "") is HERMES
     assert pick_format("auto", "{{ messages }}") is HERMES  # no format shown: the default
     assert pick_format("auto", "... <tool_call> ...") is HERMES

@@ -50,7 +50,8 @@ def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
         obj = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or obj["name"] not in names:
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str) \
+            or obj["name"] not in names:
         return None
     arguments = obj["arguments"]
     if isinstance(arguments, str):
