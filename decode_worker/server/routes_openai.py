@@ -160,6 +160,8 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], 
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true")
     params = _sampling(body, max_tokens, body.top_logprobs or 0)
+    if plan is not None:
+        params.stop += plan.stop()
     if plan is not None and plan.required:
         if params.grammar is not None:
             raise RequestError(f"tool_choice and {params.grammar_name} each ask for a grammar: give one of them")

@@ -121,7 +121,16 @@ def test_auto_and_none_leave_the_answer_free():
     assert tool_plan(request(), HERMES) is None and tool_plan(request(tool_choice="auto"), HERMES) is None
     plan = tool_plan(request(tools=[WEATHER, ADD]), HERMES)
     assert plan.names == {"get_weather", "add"} and not plan.required and plan.json_schema() is None
-    assert isinstance(plan.reader(), TaggedReader)
+    assert isinstance(plan.reader(), TaggedReader) and plan.stop() == []
+
+
+def test_one_call_at_most_under_auto_stops_the_answer_after_its_first_call():
+    plan = tool_plan(request(tools=[WEATHER, ADD], parallel_tool_calls=False), HERMES)
+    assert plan.stop() == ["</tool_call>"]
+    cut = "Sure.\n" + call_text("add", {"a": 1}).removesuffix("</tool_call>")  # the server trims the stop string
+    content, calls = read_all(plan.reader(), cut)
+    assert content == "Sure." and calls_of(calls) == [("add", {"a": 1})]
+    assert tool_plan(request(tools=[ADD], tool_choice="required", parallel_tool_calls=False), HERMES).stop() == []
 
 
 def test_required_is_an_array_of_calls_to_any_tool_each_held_to_its_arguments_schema():

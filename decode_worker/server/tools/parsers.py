@@ -236,15 +236,17 @@ class ArrayReader:
 @dataclass(frozen=True)
 class ToolFormat:
     """How a model writes tool calls: ``marker`` shows in a chat template that renders them this way (so the
-    model's own template can show tools and past calls), ``reader`` reads them back."""
+    model's own template can show tools and past calls), ``reader`` reads them back, and ``call_end`` ends a call:
+    a stop string when only one call is allowed (the reader takes a call whose end was cut off)."""
 
     name: str
     marker: str
     reader: Callable[[frozenset[str]], Reader]
+    call_end: str
 
 
 FORMATS: dict[str, ToolFormat] = {
-    "hermes": ToolFormat("hermes", "<tool_call>", TaggedReader),
+    "hermes": ToolFormat("hermes", "<tool_call>", TaggedReader, "</tool_call>"),
 }
 DEFAULT_FORMAT = "hermes"
 

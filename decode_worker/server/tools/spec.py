@@ -30,6 +30,11 @@ class ToolPlan:
         format."""
         return ArrayReader(self.names) if self.required else self.fmt.reader(self.names)
 
+    def stop(self) -> list[str]:
+        """Stop strings the answer needs: with parallel calls off and the model free, it stops after its first
+        call."""
+        return [self.fmt.call_end] if not (self.required or self.parallel) else []
+
     def json_schema(self) -> str | None:
         """The schema the answer is constrained to when a call is required: a non-empty array of calls (one when
         a function is named or parallel calls are off), each ``{"name": <allowed>, "arguments": <its schema>}``."""
