@@ -6,18 +6,20 @@ import asyncio
 import json
 import re
 import threading
+from pathlib import Path
 
 import jsonschema_rs
 import pytest
 import torch
 
-from decode_worker.core.request import RequestError
+from decode_worker.core.request import GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import Sequence
 from decode_worker.engine.llm import LLM
 from decode_worker.model.sampler import make_generator, sample
 from decode_worker.scheduler.grammar import BatchMask, GrammarCompiler, RowGrammar, fill_mask
 from tests.tiny_model import save_tiny_chat_model
+from tests.unit.test_scheduler import make_scheduler
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -30,8 +32,13 @@ EBNF_SHAPE = re.compile(r"\((?:[0-9]|x)(?:,(?:[0-9]|x))*\)")
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    return LLM(str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-grammar"))), max_total_tokens=8192)
+def tiny_chat(tmp_path_factory) -> Path:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-grammar"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat) -> LLM:
+    return LLM(str(tiny_chat), max_total_tokens=8192)
 
 
 def mask_allowing(allowed: dict[int, list[int]], batch: int, vocab: int) -> BatchMask:
@@ -199,3 +206,32 @@ def test_fill_mask_covers_only_rows_with_a_grammar(llm):
     digits = {llm.tokenizer.encode(str(d))[0] for d in range(10)}
     allowed = {t for t in range(llm.config.vocab_size) if int(mask.bits[1, t // 32]) >> (t % 32) & 1}
     assert allowed == digits
+
+
+@pytest.mark.parametrize("first,ends", [("7", "stop"), ("x", "abort")])
+def test_a_decode_worker_replays_prefill_first_token_into_the_grammar(llm, tiny_chat, first, ends):
+    """PD: prefill sampled the first token; decode feeds it to its own matcher and goes on in the grammar from there.
+    A first token the grammar refuses (a prefill that ignored the grammar) is a dead end, not a silent pass."""
+    token = llm.tokenizer.encode(first)[0]
+
+    async def from_prefill(req, pages):
+        return token, -0.5
+
+    async def run() -> list:
+        scheduler = make_scheduler(tiny_chat, 2048, kv_source=from_prefill)
+        params = SamplingParams(max_new_tokens=10, temperature=0, regex="[0-9]{3}")
+        compiled = GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(params)
+        scheduler.start()
+        try:
+            return [e async for e in scheduler.submit(GenerateInput("r", [5, 6, 7, 8, 9], params), compiled)]
+        finally:
+            await scheduler.stop(grace_s=0)
+
+    events = asyncio.run(run())
+    ids = [t for e in events for t in e.token_ids]
+    reason = events[-1].finish_reason
+    assert ids[0] == token and reason["type"] == ends, reason
+    if ends == "stop":
+        assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(ids)), llm.tokenizer.decode(ids)
+    else:
+        assert ids == [token] and reason["message"].startswith(f"grammar dead end: token {token} is not allowed")
