@@ -13,7 +13,7 @@ from enum import Enum
 from importlib.metadata import version
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
@@ -116,20 +116,28 @@ class ServerConfig(BaseSettings):
                                                        "hermes (<tool_call>{json}</tool_call>)", "auto")
     log_level: str = _opt("logging level", "info")
 
-    @field_validator("dtype")
-    @classmethod
-    def _resolve_dtype(cls, value: str) -> str:
+    _dtype_reason: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _resolve_dtype(self) -> ServerConfig:
         """``auto``: bfloat16 on CUDA and on CPUs with native bf16 (``auto_dtype``), else float32; the choice and
-        its reason are logged."""
-        if value != "auto":
-            return value
+        its reason are logged and kept (``dtype_reason``) for the start-up line, which is logged after logging is
+        set up (this runs before)."""
+        if self.dtype != "auto":
+            return self
         import torch  # only here: the config module stays light for `--help`
 
         from decode_worker.core.cpu_features import auto_dtype
 
-        dtype, why = auto_dtype(torch.cuda.is_available())
-        logging.getLogger(__name__).info("--dtype auto: %s (%s)", dtype, why)
-        return dtype
+        self.dtype, why = auto_dtype(torch.cuda.is_available())
+        self._dtype_reason = f"--dtype auto: {why}"
+        logging.getLogger(__name__).info("--dtype auto: %s (%s)", self.dtype, why)
+        return self
+
+    @property
+    def dtype_reason(self) -> str | None:
+        """Why ``--dtype auto`` chose ``dtype``; None for a dtype given explicitly."""
+        return self._dtype_reason
 
     def validate(self) -> None:
         """Combinations the types cannot express; each value's type was checked when the model was built."""

@@ -37,3 +37,19 @@ def test_auto_dtype_follows_the_hardware(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_a_missing_cpuinfo_means_no_native_bf16(tmp_path):
     assert cpu_features.native_bf16_flags(str(tmp_path / "absent")) == []
     assert cpu_features.auto_dtype(False, str(tmp_path / "absent"))[0] == "float32"
+
+
+def test_the_startup_line_says_why_auto_chose_the_dtype(monkeypatch: pytest.MonkeyPatch):
+    """The choice is logged while the config is built, before a worker sets up logging: the start-up line, logged
+    after, carries the reason too (and an explicit dtype has none)."""
+    from types import SimpleNamespace
+
+    from decode_worker.engine.summary import startup_summary
+
+    monkeypatch.delenv("DECODE_WORKER_DTYPE", raising=False)
+    monkeypatch.setattr(cpu_features, "auto_dtype", lambda cuda: ("bfloat16", "CPU with native bf16 (avx512_bf16)"))
+    runner = SimpleNamespace(layout=SimpleNamespace(page_bytes=1024), num_pages=9, dtype=torch.bfloat16,
+                             loaded=SimpleNamespace(int4_layers=0), device=torch.device("cpu"))
+    auto = startup_summary(ServerConfig(), runner, "m.gguf", 0)
+    assert "dtype bfloat16 [--dtype auto: CPU with native bf16 (avx512_bf16)]" in auto
+    assert "--dtype auto" not in startup_summary(ServerConfig(dtype="bfloat16"), runner, "m.gguf", 0)
