@@ -1,5 +1,5 @@
-"""What a caller of the cache holds: a ``MatchResult`` (read-only), a ``LoadHandle`` (a locked prefix and its
-pages) and the ``LoadBackError`` its ``wait`` raises.
+"""What a caller of the cache holds: a ``MatchResult`` (read-only, built by ``match_prefix``), a ``LoadHandle``
+(a locked prefix and its pages) and the ``LoadBackError`` its ``wait`` raises.
 
 A handle knows the copies its prefix waits for and one callback, ``settle``, that applies finished copies (the
 cache's ``poll``); it never reaches into the cache.
@@ -14,7 +14,8 @@ import numpy as np
 
 from decode_worker.cache.copies import PendingCopy
 from decode_worker.cache.node import Key, TreeNode
-from decode_worker.cache.pool import NO_PAGES
+from decode_worker.cache.pool import NO_PAGES, cat_pages
+from decode_worker.cache.radix_tree import RadixTree
 
 
 class LoadBackError(RuntimeError):
@@ -37,6 +38,30 @@ class MatchResult:
     @property
     def hit_tokens(self) -> int:
         return self.device_hit_tokens + self.host_hit_tokens
+
+
+def match_prefix(tree: RadixTree, key: Key) -> MatchResult:
+    """The longest prefix of ``key`` on L1 then L2, stopping at the first gap (a node locked while losing its
+    last tier). Reads the tree only."""
+    path, tail = tree.match(key)
+    last = len(path) - 1
+    dev_parts, restore = [], []
+    device_pages, host_pages = 0, 0
+    for i, node in enumerate(path):
+        held = node.device_indices
+        pages = tail if i == last else tree.num_pages(node)
+        if held is not None and not restore:
+            dev_parts.append(held if pages == len(held) else held[:pages])
+            device_pages += pages
+        elif node.host_indices is not None and held is None:
+            restore.append(node)
+            host_pages += pages
+        else:
+            path, tail = path[:i], (tree.num_pages(path[i - 1]) if i else 0)
+            break
+    return MatchResult(key=key, path=path, tail_pages=tail, device_hit_tokens=device_pages * tree.page_size,
+                       host_hit_tokens=host_pages * tree.page_size, device_indices=cat_pages(dev_parts),
+                       restore_nodes=restore, version=tree.version)
 
 
 @dataclass(eq=False)

@@ -1,51 +1,43 @@
-"""Hierarchical radix KV cache: one radix tree over an L1 (device) and an optional L2 (host) page pool, with an
-optional L3 tier behind L2.
+"""Hierarchical radix KV cache: one radix tree over L1 (device) pages, optional L2 (host) pages and an optional
+L3 tier behind L2. A request checks its budget before anything moves:
 
-A request uses it in two phases so that the budget is checked before anything moves:
-
-    key = token_key(prompt_ids)                    # once per request (match and insert both take it)
     m = cache.match(key)                           # read-only: L1 hit, L2 hit, nodes to restore
-    h = cache.load_back_and_lock(m, extra_pages=n) # one eviction batch, lock, start L2->L1, pages for the delta
-    await h.wait()                                 # load-back finished; raises LoadBackError if it failed
-    h, pages = cache.cache_in_flight(h, computed_ids, pages)  # optional: share computed pages now
-    cache.insert(token_key(all_ids), pages)        # on finish or retraction; pages = h.take_pages() + decode's
-    cache.release(h)                               # unlock; frees whatever the handle still owns
+    h = cache.load_back_and_lock(m, extra_pages=n) # lock, start L2->L1, pages for the delta
+    await h.wait()                                 # raises LoadBackError if the load-back failed
+    cache.insert(key_of_all_ids, h.take_pages() + decode_pages)   # on finish or retraction
+    cache.release(h)                               # unlock; frees what the handle still owns (abort too)
 
-``release`` is also the abort path; a load-back it started finishes under the copy's own lock (another request
-may share the restored nodes). Tiers per node, locks, policies and who may touch a page: docs/architecture.md.
-
-Long because one class owns the tree's meaning, as the design asks: the parts it composes (allocation, copy
-bookkeeping, copy engine, L3 link, eviction order) hold state and no decisions about nodes, and splitting the
-decisions across modules again is what the former mixins did.
+Long because every method left here changes what a node holds, which one class owns; the work that separates
+(allocation, copies, accounting, write and eviction strategies, the match walk, the L3 link) is in its parts.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterable
 from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
+from decode_worker.cache.accounting import CacheAccounting
 from decode_worker.cache.allocation import Allocation
 from decode_worker.cache.copies import CopiesInFlight, PendingCopy
 from decode_worker.cache.copy_engine import CopyEngine, PageCopier
-from decode_worker.cache.handles import FlushOutcome, LoadBackError, LoadHandle, MatchResult
+from decode_worker.cache.handles import FlushOutcome, LoadBackError, LoadHandle, MatchResult, match_prefix
 from decode_worker.cache.node import Key, Tokens, TreeNode, token_key
-from decode_worker.cache.pool import NO_PAGES, KVPool, PageAllocator, PageIds, cat_pages, page_ids
+from decode_worker.cache.pool import NO_PAGES, KVPool, PageIds, cat_pages, page_ids
 from decode_worker.cache.radix_tree import RadixTree
-from decode_worker.cache.stats import CacheCounters, CacheStats
-from decode_worker.cache.storage.link import SELECTIVE_HITS, StorageLink
+from decode_worker.cache.stats import CacheStats
+from decode_worker.cache.storage.link import StorageLink
 from decode_worker.cache.storage.tier import StorageTier
-from decode_worker.cache.strategy import eviction_order
+from decode_worker.cache.strategy import WriteStrategy, eviction_order
 from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy, parse_policy
 
 __all__ = ["FlushOutcome", "HierarchicalCache", "LoadBackError", "LoadHandle", "MatchResult"]
 
 
 class HierarchicalCache:
-    """The tree's meaning (match, insert, lock, evict, tier moves, copies in flight) over composed parts: the
-    page allocators (``Allocation``), the copy engine, the L3 link and the eviction order. Event loop only."""
+    """The tree's meaning (match, insert, lock, evict, tier moves, copies in flight) over composed parts.
+    Event loop only."""
 
     def __init__(
         self,
@@ -60,6 +52,7 @@ class HierarchicalCache:
         storage_backup_policy: str = StorageBackup.ALL,
     ):
         self.write_policy = parse_policy(WritePolicy, write_policy, "write policy")
+        self.writes = WriteStrategy(self.write_policy, has_host=host_pool is not None)
         self.order = eviction_order(parse_policy(EvictionPolicy, eviction, "eviction policy"))
         backup_policy = parse_policy(StorageBackup, storage_backup_policy, "storage backup policy")
         if storage is not None and host_pool is None:
@@ -68,61 +61,28 @@ class HierarchicalCache:
         seed = device_pool.layout.fingerprint() if hash_seed is None else hash_seed
         self.tree = RadixTree(self.page_size, seed, rank=self.order.rank)
         self.pages = Allocation(device_pool.num_pages, host_pool.num_pages if host_pool is not None else None)
+        self.device_alloc, self.host_alloc = self.pages.device, self.pages.host
+        self.eviction, self.storage = self.order.policy, storage
         self.host_pool = host_pool
         self.l3 = StorageLink(storage, host_pool, backup_policy) if storage is not None else None
         if host_pool is not None and engine is None:
             engine = CopyEngine(device_pool.buffer, host_pool.buffer)
         self.engine = engine
         self.copies = CopiesInFlight()
-        self.counters = CacheCounters()
+        self.figures = CacheAccounting(self.tree, self.pages, self.copies, storage)
+        self.counters = self.figures.counters
         self._demoting: PendingCopy | None = None  # write_back victims of the eviction batch under way
-
-    @property
-    def eviction(self) -> EvictionPolicy:
-        return self.order.policy
-
-    @property
-    def storage(self) -> StorageTier | None:
-        return self.l3.tier if self.l3 is not None else None
-
-    @property
-    def device_alloc(self) -> PageAllocator:
-        return self.pages.device
-
-    @property
-    def host_alloc(self) -> PageAllocator | None:
-        return self.pages.host
 
     # -- matching and locking -------------------------------------------------------------------------------------
 
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix over L1 then L2, stopping at the first gap. Changes nothing."""
-        key = token_key(tokens)
-        tree = self.tree
-        path, tail = tree.match(key)
-        last = len(path) - 1
-        dev_parts, restore = [], []
-        device_pages, host_pages = 0, 0
-        for i, node in enumerate(path):
-            held = node.device_indices
-            pages = tail if i == last else tree.num_pages(node)
-            if held is not None and not restore:
-                dev_parts.append(held if pages == len(held) else held[:pages])
-                device_pages += pages
-            elif node.host_indices is not None and held is None:
-                restore.append(node)
-                host_pages += pages
-            else:  # a gap (a node losing its last tier while locked)
-                path, tail = path[:i], (tree.num_pages(path[i - 1]) if i else 0)
-                break
-        return MatchResult(key=key, path=path, tail_pages=tail, device_hit_tokens=device_pages * self.page_size,
-                           host_hit_tokens=host_pages * self.page_size, device_indices=cat_pages(dev_parts),
-                           restore_nodes=restore, version=tree.version)
+        return match_prefix(self.tree, token_key(tokens))
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
-        """Lock the matched path, take L1 pages for the restore plus ``extra_pages`` (one eviction batch) and start
-        the L2->L1 copy; raises OutOfPages having taken nothing. A match the tree changed since is redone, and the
-        handle's prefix plus delta pages still come to ``match``'s hit plus ``extra_pages``."""
+        """Lock the matched path, take L1 pages for the restore plus ``extra_pages`` and start the L2->L1 copy;
+        raises OutOfPages having taken nothing. A stale match is redone; prefix plus delta pages still come to
+        ``match``'s hit plus ``extra_pages``."""
         self.poll()
         if match.version != self.tree.version:
             stale, match = match, self.match(match.key)
@@ -148,8 +108,7 @@ class HierarchicalCache:
         self.tree.touch(last, hit=bool(path))
         self.counters.cached_device += match.device_hit_tokens
         self.counters.cached_host += n_restore * self.page_size
-        if self.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self._backup(n for n in path if n.hit_count >= SELECTIVE_HITS)
+        self._backup(n for n in path if self.writes.on_hit(n.hit_count))
         if self.l3 is not None:  # under hit_twice: nodes on L2 hit for the 2nd time go to L3
             self._store(n for n in path if n.on_host and n.saving is None and self.l3.on_hit(n.hit_count))
         # the path is locked: its L1 pages are still the match's, then the restored ones
@@ -175,9 +134,9 @@ class HierarchicalCache:
     # -- insertion --------------------------------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
-        """Cache the full pages of ``tokens`` (the tree takes ``device_pages[:full pages]``, frees duplicates and
-        revives a host-only node keeping its host copy); returns the tokens already cached on L1. ``backup``: to L2
-        now whatever the policy (a retraction). Pages past a load-back still in flight are freed."""
+        """Cache the full pages of ``tokens``: the tree takes ``device_pages[:full pages]`` and frees duplicates
+        and pages past a load-back in flight. Returns the tokens already on L1. ``backup``: to L2 whatever the
+        policy (a retraction)."""
         key, device_pages = token_key(tokens), page_ids(device_pages)
         n = len(key) // self.tree.page_bytes
         if len(device_pages) < n:
@@ -188,9 +147,9 @@ class HierarchicalCache:
         return cached * self.page_size
 
     def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
-        """``insert`` for a running request (``pages``: the handle's prefix first), so others hit its pages now;
-        pages past a load-back in flight stay with it and the lock moves down. Returns the new handle (the old one
-        is spent) and the request's pages: the tree's for the cached prefix, then the rest of ``pages``."""
+        """``insert`` for a running request (``pages``: the handle's prefix first) so others hit its pages now;
+        the lock moves down. Returns the new handle (the old one is spent) and the request's pages: the tree's
+        for the cached prefix, then the rest of ``pages``."""
         if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
         key, pages = token_key(tokens), page_ids(pages)
@@ -214,7 +173,7 @@ class HierarchicalCache:
     ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
         """Put ``pages[:n]`` into the tree along ``key`` up to a load-back in flight, freeing duplicates; ``exact``
         splits a node ``key`` ends inside. Returns the deepest node, pages grafted, how many were on L1 already,
-        and (``exact``) the tree's L1 pages for them, in parts."""
+        and (``exact``) the tree's L1 pages for them."""
         tree = self.tree
         path, tail = tree.match(key)
         node, pos, cached, dup, kept, tree_pages = tree.root, 0, 0, [], [], []
@@ -248,7 +207,7 @@ class HierarchicalCache:
         if dup:
             self.device_alloc.free(cat_pages(dup))
         tree.touch(node)
-        if backup or self.write_policy == WritePolicy.WRITE_THROUGH:
+        if self.writes.on_insert(forced=backup):
             self._backup(kept)
         return node, pos, cached, tree_pages
 
@@ -270,21 +229,14 @@ class HierarchicalCache:
         self.device_alloc.free(pages)
 
     def available_device_pages(self) -> int:
-        """Pages an allocation could get now or after evicting: the budget check before admitting a request."""
-        tree = self.tree
-        return self.device_alloc.num_free + self.pages.draining + tree.device_pages - tree.locked_device_pages
+        return self.figures.available_device_pages()
 
     def pages_soon_free(self) -> int:
-        """L1 pages that copies in flight will make allocatable (drains) or evictable (nodes only a backup's lock
-        pins, e.g. a retracted request's). A request short of pages waits for these rather than take others'."""
-        pinned = self.copies.backup_pins()
-        return self.pages.draining + sum(
-            self.tree.num_pages(n) for n, locks in pinned.items() if n.on_device and n.lock_ref == locks
-        )
+        return self.figures.pages_soon_free()
 
     def _alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises: a
-        write_back eviction batch calls it between marking victims and queueing their demotion."""
+        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises (a
+        write_back eviction batch calls it mid-way)."""
         if self.host_alloc is None:
             return None
         short = self.pages.host_short(n)
@@ -314,9 +266,9 @@ class HierarchicalCache:
         self.pages.return_host(pages)
 
     def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
-        """Attach L2 pages holding pages ``from_page, ...`` of ``tokens`` as a host-only node, matching again:
-        pages the tree holds by now are freed, and all are when the pages before ``from_page`` left the tree or a
-        gap holds the spot. Returns the page indices of ``tokens`` the new node holds."""
+        """Attach L2 pages holding pages ``from_page, ...`` of ``tokens`` as a host-only node; pages the tree
+        holds by now are freed, all of them when pages before ``from_page`` left the tree. Returns the page
+        indices of ``tokens`` the new node holds."""
         key, host_pages = token_key(tokens), page_ids(host_pages)
         tree, pb = self.tree, self.tree.page_bytes
         end = from_page + len(host_pages)
@@ -344,8 +296,6 @@ class HierarchicalCache:
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
         """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
-        if self.host_alloc is None:
-            return
         nodes = [n for n in nodes if n.on_device and not n.on_host and n.saving is None]
         if not nodes:
             return
@@ -363,8 +313,7 @@ class HierarchicalCache:
         self.copies.add(op, self.engine.backup(cat_pages([n.device_indices for n in nodes]), host))
 
     def _start_load(self, nodes: list[TreeNode], device_pages: np.ndarray) -> None:
-        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued. It
-        fails with the copies it reads from and with earlier loads of ancestors (``CopiesInFlight.load_deps``)."""
+        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued."""
         op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=self.copies.load_deps(nodes))
         future = self.engine.load(cat_pages([n.host_indices for n in nodes]), device_pages)
         offset = 0
@@ -409,8 +358,8 @@ class HierarchicalCache:
             self.engine.close()
 
     def _finish(self, op: PendingCopy) -> None:
-        """A failed or cancelled copy leaves no trace: restored L1 copies and new L2 copies are dropped, and so
-        are the L1 copies that later loads restore below a failed load."""
+        """Apply a finished copy. A failed one leaves no trace: its new copies are dropped, and so are the L1
+        copies later loads restore below a failed load."""
         ok, tree = not op.failed(), self.tree
         for node in op.nodes:
             if op.kind == "load":
@@ -440,8 +389,8 @@ class HierarchicalCache:
                     self._prune_gap_above(node)
 
     def _undo_loads_below(self, node: TreeNode) -> None:
-        """Take off L1 what later loads restore below ``node``, whose load failed (a node on L1 has its parent
-        there). Those loads fail too; as their copies may be running, their pages are freed when each is done."""
+        """Take off L1 what later loads restore below ``node``, whose load failed; their pages are freed when
+        each copy is done."""
         for n in self.tree.subtree(node):
             op = n.loading
             if op is not None:
@@ -455,11 +404,10 @@ class HierarchicalCache:
 
     def evict_device(self, n_pages: int) -> int:
         """Free at least ``n_pages`` L1 pages (exactly, under SLRU) from unlocked leaves in one batch; returns
-        pages released. A backed-up leaf is demoted to host-only; under write_back a leaf is backed up now (its
-        L1 pages are freed when that copy lands); any other leaf leaves the tree with its host-only subtree.
-        """
+        pages released. A leaf on L2 becomes host-only; under write_back an L1-only leaf is copied to L2 first;
+        any other leaf leaves the tree with its host-only subtree."""
         tree = self.tree
-        write_back = self.write_policy == WritePolicy.WRITE_BACK and self.host_alloc is not None
+        write_back = self.writes.demotes
         demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
         cut_tails = self.order.partial and not write_back  # a tail would leave the tree
         old_pages, freed, released = [], [], 0
@@ -494,8 +442,7 @@ class HierarchicalCache:
         return released
 
     def _start_demotion(self, op: PendingCopy, old_pages: list[np.ndarray]) -> None:
-        """Copy write_back victims to L2; their old L1 pages are freed when the copy is done. A victim whose parent
-        was dropped later in the same batch left the tree with it: it is not copied."""
+        """Copy write_back victims still in the tree to L2; their old L1 pages are freed when the copy lands."""
         live = [(n, p) for n, p in zip(op.nodes, old_pages) if n.parent is not None]
         op.drain = cat_pages(old_pages)
         if not live:
@@ -520,8 +467,7 @@ class HierarchicalCache:
         return freed
 
     def _trim(self, node: TreeNode, need: int) -> TreeNode:
-        """The part of victim ``node`` to give up for ``need`` more pages, as the eviction order says (a tail is
-        split off; ``node`` keeps it and the children)."""
+        """The part of victim ``node`` to give up for ``need`` more pages (``node`` keeps the tail split off)."""
         k = self.tree.num_pages(node)
         give = self.order.pages_to_give(k, need)
         if give < k:
@@ -529,24 +475,11 @@ class HierarchicalCache:
         return node
 
     def _host_evictable_pages(self) -> int:
-        """L2 pages ``evict_host`` can free now: unlocked host-only nodes with no node being written in their
-        subtree. The tree counts the unlocked host-only pages (``host_only_pages``); within a write_back eviction
-        batch, the victims marked ``saving`` but not locked yet (``_demoting``) and the unlocked host-only nodes
-        above them are taken out, walking up from the victims only."""
-        pages = self.tree.host_only_pages
-        if self._demoting is not None:
-            seen: set[TreeNode] = set()
-            for node in self._demoting.nodes:
-                while (node.parent is not None and node not in seen and node.on_host and not node.on_device
-                       and node.lock_ref == 0):
-                    seen.add(node)
-                    pages -= self.tree.num_pages(node)
-                    node = node.parent
-        return pages
+        return self.figures.host_evictable_pages(self._demoting.nodes if self._demoting is not None else ())
 
     def _drop(self, node: TreeNode, device_pages: list[np.ndarray] | None = None) -> None:
-        """Remove an unlocked node and its subtree from the tree, freeing their pages in both tiers (the L1 ones
-        into ``device_pages`` instead, for the caller to free in one batch)."""
+        """Remove an unlocked node and its subtree, freeing their pages (L1 ones into ``device_pages`` if given,
+        for one batch free)."""
         for n in self.tree.subtree(node) if node.children else (node,):
             if n.on_device:
                 pages = self.tree.clear_device(n)
@@ -561,12 +494,7 @@ class HierarchicalCache:
 
     def _prune_gap_above(self, node: TreeNode) -> None:
         """Drop the highest unlocked node in neither tier on the path to ``node`` (left by a failed backup)."""
-        gap = None
-        while node is not self.tree.root and node.parent is not None:
-            if node.device_indices is None and node.host_indices is None and node.lock_ref == 0:
-                gap = node
-            node = node.parent
-        if gap is not None:
+        if (gap := self.tree.highest_gap(node)) is not None:
             self._drop(gap)
 
     # -- flushing and figures ---------------------------------------------------------------------------------------
@@ -574,19 +502,17 @@ class HierarchicalCache:
     def flush(self) -> int:
         """Drop every unlocked node from both tiers (POST /flush_cache); returns the tokens dropped."""
         self.poll()
-        root = self.tree.root
-        tops = [n for n in self.tree.nodes() if n.lock_ref == 0 and (n.parent is root or n.parent.lock_ref > 0)]
+        tops = self.tree.unlocked_tops()
         dropped = sum(m.num_tokens for n in tops for m in self.tree.subtree(n))
         for node in tops:
             self._drop(node)
-        if self.tree.events is not None and not root.children:  # nothing was locked: every tier is empty
+        if self.tree.events is not None and not self.tree.root.children:  # nothing was locked: every tier is empty
             self.tree.events.cleared()
         return dropped
 
     async def flush_settled(self, timeout_s: float) -> FlushOutcome:
-        """``flush`` once the copies in flight have finished, waiting at most ``timeout_s`` (a backup locks the
-        nodes it reads until applied, so a flush right after a response would keep the prefix it just cached).
-        Says what stayed: prefixes running requests hold, and nodes behind copies still running."""
+        """``flush`` after waiting at most ``timeout_s`` for copies in flight (a backup's locks would keep the
+        prefix just cached); says what stayed."""
         waited_for = len(self.copies)
         if self.copies:
             await asyncio.wait([asyncio.wrap_future(f) for f in self.copies.futures()], timeout=timeout_s)
@@ -595,12 +521,4 @@ class HierarchicalCache:
         return FlushOutcome(dropped, kept, waited_for, len(self.copies))
 
     def stats(self) -> CacheStats:
-        """Pages per tier and state (free + used + evictable + locked = total), token counters per tier, and the
-        L3 tier's figures; ``CacheStats.to_dict()`` is the ``cache`` object of ``/server_info``."""
-        tree = self.tree
-        return CacheStats(
-            device=self.pages.device_pages(tree.device_pages, tree.locked_device_pages),
-            tokens=dataclasses.replace(self.counters),
-            host=self.pages.host_pages(tree.locked_host_pages, tree.host_only_pages),
-            storage=self.storage.stats() if self.storage is not None else None,
-        )
+        return self.figures.stats()

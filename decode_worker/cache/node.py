@@ -15,6 +15,7 @@ import torch
 
 from decode_worker.core.sequence import TOKEN_BYTES, pack_tokens
 
+SELECTIVE_HITS = 2  # the hit that backs a node up under write_through_selective (to L2) and hit_twice (to L3)
 Key = bytes  # token ids, int32 little-endian (``pack_tokens``)
 Tokens = Sequence[int] | np.ndarray | torch.Tensor | Key
 

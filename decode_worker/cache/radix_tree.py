@@ -93,6 +93,19 @@ class RadixTree:
             stack.extend(n.children.values())
         return out
 
+    def unlocked_tops(self) -> list[TreeNode]:
+        """The highest unlocked nodes: each a child of the root or of a locked node."""
+        return [n for n in self.nodes() if n.lock_ref == 0 and (n.parent is self.root or n.parent.lock_ref > 0)]
+
+    def highest_gap(self, node: TreeNode) -> TreeNode | None:
+        """The highest unlocked node in neither tier on the path from the root to ``node``, if any."""
+        gap = None
+        while node is not self.root and node.parent is not None:
+            if node.device_indices is None and node.host_indices is None and node.lock_ref == 0:
+                gap = node
+            node = node.parent
+        return gap
+
     def page_hashes(self, node: TreeNode) -> list[str]:
         """Hex chained hash of each page of ``node`` (computed lazily: only the L3 tier needs them)."""
         if node.hashes is None:

@@ -1,6 +1,6 @@
-"""The eviction order, a strategy the cache holds: which unlocked leaf each tier gives up first and whether a
-victim may give up only part of its pages; and ``LeafHeap``, one tier's evictable leaves kept in that order, so an
-eviction batch costs what it evicts rather than a walk of the tree (docs/architecture.md, "Cache internals").
+"""The cache's two policies as strategies: the write policy (when an L1 page gets its L2 copy) and the eviction
+order (which unlocked leaf a tier gives up first, and whether only part of it); ``LeafHeap`` keeps a tier's
+evictable leaves in that order so an eviction batch costs what it evicts.
 """
 from __future__ import annotations
 
@@ -8,15 +8,33 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING
 
-from decode_worker.core.policies import EvictionPolicy
+from decode_worker.cache.node import SELECTIVE_HITS, TreeNode
+from decode_worker.core.policies import EvictionPolicy, WritePolicy
 
-if TYPE_CHECKING:
-    from decode_worker.cache.node import TreeNode
-
-RankKey = Callable[["TreeNode"], tuple]
+RankKey = Callable[[TreeNode], tuple]
 COMPACT_SLACK = 64  # stale heap entries tolerated beyond twice the members before the heap is rebuilt
+
+
+@dataclass(frozen=True)
+class WriteStrategy:
+    """When the cache starts an L1 -> L2 copy; every answer is no without an L2."""
+
+    policy: WritePolicy
+    has_host: bool
+
+    def on_insert(self, forced: bool = False) -> bool:
+        """Back up newly cached pages? Under write_through, or when ``forced`` (a retraction)."""
+        return self.has_host and (forced or self.policy == WritePolicy.WRITE_THROUGH)
+
+    def on_hit(self, hit_count: int) -> bool:
+        """Back up a node on L1 just hit ``hit_count`` times? Under write_through_selective, from its second hit."""
+        return self.has_host and self.policy == WritePolicy.WRITE_THROUGH_SELECTIVE and hit_count >= SELECTIVE_HITS
+
+    @property
+    def demotes(self) -> bool:
+        """Does an eviction copy an L1-only victim to L2 (write_back) rather than drop it?"""
+        return self.has_host and self.policy == WritePolicy.WRITE_BACK
 
 
 def _slru(node: TreeNode) -> tuple:

@@ -49,3 +49,21 @@ def test_a_failed_copy_makes_wait_raise():
             await h.wait()
 
     asyncio.run(main())
+
+
+def test_match_prefix_takes_l1_then_l2_and_stops_at_a_gap_reading_the_tree_only():
+    from decode_worker.cache.handles import match_prefix
+    from decode_worker.cache.node import token_key
+    from decode_worker.cache.radix_tree import RadixTree
+
+    tree = RadixTree(page_size=2)
+    dev = tree.add_child(tree.root, token_key(range(4)), np.array([1, 2]))
+    host = tree.add_host_child(dev, token_key(range(4, 8)), np.array([5, 6]))
+    gap = tree.add_host_child(host, token_key(range(8, 10)), np.array([7]))
+    tree.clear_host(gap)  # in neither tier: the match ends before it
+    version = tree.version
+    m = match_prefix(tree, token_key(range(12)))
+    assert (m.device_hit_tokens, m.host_hit_tokens, m.restore_nodes, m.path) == (4, 4, [host], [dev, host])
+    assert m.device_indices.tolist() == [1, 2] and m.tail_pages == 2 and tree.version == version
+    part = match_prefix(tree, token_key(range(3)))  # one full page of ``dev``
+    assert part.path == [dev] and part.tail_pages == 1 and part.device_indices.tolist() == [1]

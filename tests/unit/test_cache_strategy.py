@@ -1,12 +1,12 @@
-"""The eviction order on its own: each policy's ranking and how much of a victim it gives up, and the lazy leaf
+"""The write policy and the eviction order on their own: each policy's ranking and how much of a victim it gives up, and the lazy leaf
 heap that keeps a tier's evictable leaves in that order, built from bare nodes (no tree, no cache)."""
 from __future__ import annotations
 
 import pytest
 
-from decode_worker.cache.node import TreeNode
-from decode_worker.cache.strategy import COMPACT_SLACK, LeafHeap, eviction_order
-from decode_worker.core.policies import EvictionPolicy
+from decode_worker.cache.node import SELECTIVE_HITS, TreeNode
+from decode_worker.cache.strategy import COMPACT_SLACK, LeafHeap, WriteStrategy, eviction_order
+from decode_worker.core.policies import EvictionPolicy, WritePolicy
 
 
 def node(last_access: int, hit_count: int = 0) -> TreeNode:
@@ -58,3 +58,17 @@ def test_a_discarded_member_is_skipped_and_stale_entries_are_compacted():
         heap.members.discard(n)
     assert len(heap) == 1 and len(heap._heap) <= 2 * len(heap.members) + COMPACT_SLACK
     assert heap.pop() is keep and heap.pop() is None
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_write_strategy_never_backs_up_without_l2(policy):
+    writes = WriteStrategy(policy, has_host=False)
+    assert not writes.on_insert(forced=True) and not writes.on_hit(SELECTIVE_HITS) and not writes.demotes
+
+
+def test_each_write_policy_backs_up_at_its_own_moment():
+    through, selective, back = (WriteStrategy(p, has_host=True) for p in WritePolicy)
+    assert through.on_insert() and not through.on_hit(9) and not through.demotes
+    assert not selective.on_insert() and selective.on_insert(forced=True)
+    assert not selective.on_hit(SELECTIVE_HITS - 1) and selective.on_hit(SELECTIVE_HITS) and not selective.demotes
+    assert not back.on_insert() and not back.on_hit(9) and back.demotes

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from decode_worker.cache.node import SELECTIVE_HITS
 from decode_worker.cache.pool import KVPool
 from decode_worker.cache.storage.tier import StorageTier
 from decode_worker.core.policies import StorageBackup
 
-SELECTIVE_HITS = 2  # write_through_selective backs a node up to L2 on its second hit; hit_twice does to L3
+__all__ = ["SELECTIVE_HITS", "StorageLink"]
 
 
 class StorageLink:
