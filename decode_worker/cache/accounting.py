@@ -1,5 +1,5 @@
-"""The cache's figures, read from its parts and never changing them: pages an admission may count on, pages
-copies in flight will give back, L2 pages an eviction can free, and the ``CacheStats`` snapshot.
+"""The cache's figures, read from its parts without changing them: admission budget, pages soon free, L2
+pages an eviction can free, and the ``CacheStats`` snapshot.
 """
 from __future__ import annotations
 
@@ -31,16 +31,16 @@ class CacheAccounting:
         return self.pages.device.num_free + self.pages.draining + tree.device_pages - tree.locked_device_pages
 
     def pages_soon_free(self) -> int:
-        """L1 pages copies in flight will make allocatable (drains) or evictable (nodes only a backup's lock
-        pins). A request short of pages waits for these rather than take others'."""
+        """L1 pages copies in flight will free (drains) or make evictable (nodes only a backup pins): what a
+        request short of pages waits for rather than take others'."""
         pinned = self.copies.backup_pins()
         return self.pages.draining + sum(
             self.tree.num_pages(n) for n, locks in pinned.items() if n.on_device and n.lock_ref == locks
         )
 
     def host_evictable_pages(self, demoting: Iterable[TreeNode] = ()) -> int:
-        """L2 pages an eviction can free now. ``demoting``: write_back victims marked ``saving`` but not locked
-        yet; they and the unlocked host-only nodes above them are not evictable (walks up from them only)."""
+        """L2 pages an eviction can free now, less ``demoting`` (write_back victims not locked yet) and the
+        unlocked host-only nodes above them."""
         pages = self.tree.host_only_pages
         seen: set[TreeNode] = set()
         for node in demoting:

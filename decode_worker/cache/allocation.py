@@ -1,7 +1,5 @@
-"""Allocation apart from reuse: the L1 and L2 page allocators and the pages between owners (L1 pages that copies
-in flight free when they land, L2 pages lent to an L3 prefetch). It counts pages and never sees a node; what to
-evict when a tier is short is the cache's decision (``HierarchicalCache``), as mini-sglang's ``CacheManager``
-asks its prefix cache.
+"""Allocation apart from reuse: the L1 and L2 page allocators and the pages between owners (drains, L2 pages
+lent to a prefetch). It counts pages and never sees a node; what to evict is the cache's decision.
 """
 from __future__ import annotations
 

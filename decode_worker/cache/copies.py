@@ -1,8 +1,5 @@
-"""The bookkeeping of copies in flight between L1 and L2: each ``PendingCopy`` names the nodes it writes and
-holds locks on, the copies it fails with and the L1 pages to free once it lands; ``CopiesInFlight`` keeps them
-in submission order, the order the copy engine runs them in and the cache applies them in.
-
-It changes no node's tiers: applying a copy's outcome to the tree is ``HierarchicalCache``'s job.
+"""The bookkeeping of copies in flight between L1 and L2, in submission order (the order the engine runs and
+the cache applies them in). It changes no node's tiers: applying an outcome is ``HierarchicalCache``'s job.
 """
 from __future__ import annotations
 
@@ -75,8 +72,7 @@ class CopiesInFlight:
                 op.nodes.insert(op.nodes.index(node), head)
 
     def backup_pins(self) -> dict[TreeNode, int]:
-        """Per node, the locks that backups in flight hold on it (a backup locks each node it reads, and a lock
-        pins every ancestor)."""
+        """Per node, the locks backups in flight hold on it (on each node read, and so on every ancestor)."""
         pinned: dict[TreeNode, int] = {}
         for op in self.queue:
             if op.kind == "backup":

@@ -1,12 +1,7 @@
-"""Page copies between the L1 (device) and L2 (host) KV buffers, off the event loop.
+"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop.
 
-One worker thread runs the copies strictly in submission order. That order is what the cache relies on: a
-load-back queued after a backup of the same host pages reads the finished backup, and host pages that the
-event loop frees can only be rewritten by copies queued later. On CUDA the worker issues each copy on a side
-stream and waits for its event, so neither the event loop nor the compute stream ever waits on a copy: straight
-between the pools, one DMA per run of consecutive pages, when the L2 pool is pinned (registered in place, as
-``make_host_pool`` makes it); through staging buffers allocated once (``Staging``) when it is not. Every copy
-returns a ``concurrent.futures.Future``; ``asyncio.wrap_future`` makes it awaitable.
+Copies run strictly in submission order, which the cache relies on: a load-back queued after a backup of the
+same host pages reads the finished backup. Each returns a ``concurrent.futures.Future``.
 """
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes 
 
 
 class PageCopier(Protocol):
-    """What the cache asks of a copy engine: page copies between its L1 and L2 buffers, by page ids, run in
-    submission order; each returns a future that is done when the pages are in place."""
+    """What the cache asks of a copy engine: copies by page ids, in submission order, each a future."""
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future: ...
 
@@ -49,7 +43,7 @@ class CopyEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
-        """L2 -> L1."""
+        """Host ``src`` -> device ``dst`` through the slots; returns once every chunk is in place."""
         return self._executor.submit(self._copy, self.host_buffer, self.device_buffer, host_pages, device_pages,
                                      self._caller_event())
 
@@ -59,8 +53,7 @@ class CopyEngine:
                                      self._caller_event())
 
     def _caller_event(self) -> "torch.cuda.Event | None":
-        """Marks the work already queued on the caller's stream (a KV scatter, a forward writing pages): the copy
-        must not read or overwrite those pages before it is done."""
+        """Marks the caller's queued stream work: the copy must not touch those pages before it is done."""
         if self._stream is None:
             return None
         event = torch.cuda.Event()
@@ -89,9 +82,7 @@ class CopyEngine:
 
 
     def _direct(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
-        """Device <-> pinned L2 pool: one asynchronous copy per run of consecutive pages on the copy stream, straight
-        from the source pages into the destination pages (no staging, no gather on the host), then the copy thread
-        waits for the stream's event."""
+        """Device <-> pinned L2: one async copy per run of consecutive pages on the copy stream, no staging."""
         with torch.cuda.stream(self._stream):
             copy_host_pages(src, dst, src_pages, dst_pages, non_blocking=True)
         done = torch.cuda.Event()
@@ -101,11 +92,8 @@ class CopyEngine:
 
 def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
                     non_blocking: bool = False) -> None:
-    """``dst[dst_pages] = src[src_pages]`` between host buffers, one plain copy per run of consecutive pages: a page
-    is one dense block (page-major layout), so nothing is gathered into a temporary first. On a CPU worker L1 and
-    L2 share the memory bus and the cores with the forward; the index kernels' gather-then-scatter through a
-    fresh temporary cost several times this per token (bench/bench_backup.py). With ``non_blocking``, between a
-    CUDA buffer and a pinned host one, each run is one DMA queued on the current stream."""
+    """``dst[dst_pages] = src[src_pages]``, one plain copy per run of consecutive pages (a page is one dense
+    block); with ``non_blocking``, between CUDA and pinned host buffers, one DMA per run on the current stream."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination")
     s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -126,13 +114,9 @@ class _Slot:
 
 
 class Staging:
-    """Two slots of host memory, each paired with device memory, allocated once and page-locked in place
-    (``pin_in_place``: not torch's caching host allocator, which rounds every block up to a power of two and
-    would hand out a new one per copy size). Copies go through them in chunks of whole pages, alternating slots,
-    so the host gathers or scatters one chunk while the device moves the other.
-
-    Without a stream (``stream=None``) the same steps run synchronously, which lets CPU tests check the chunking
-    and the one-time allocation with a CPU tensor standing in for the device buffer."""
+    """Two host slots paired with device memory, allocated once and pinned in place; copies alternate slots
+    chunk by chunk so the host gathers one while the device moves the other. ``stream=None`` runs the same steps
+    synchronously (CPU tests)."""
 
     def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: "torch.cuda.Stream | None"):
         self.page_bytes = prod(device_buffer.shape[1:]) * device_buffer.element_size()
@@ -165,8 +149,7 @@ class Staging:
             self._scatter_on_host(*entry, dst)
 
     def load(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """Host ``src`` -> device ``dst``: the host gathers a chunk into a slot while the device copies up and
-        scatters the chunk before; returns once every chunk is in place."""
+        """Host ``src`` -> device ``dst`` through the slots; returns once every chunk is in place."""
         for i, (s, d) in enumerate(self._chunks(src_pages, dst_pages)):
             slot = self.slots[i % 2]
             self._wait(slot)  # its previous chunk has left the host memory

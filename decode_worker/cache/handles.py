@@ -1,8 +1,6 @@
-"""What a caller of the cache holds: a ``MatchResult`` (read-only, built by ``match_prefix``), a ``LoadHandle``
-(a locked prefix and its pages) and the ``LoadBackError`` its ``wait`` raises.
-
-A handle knows the copies its prefix waits for and one callback, ``settle``, that applies finished copies (the
-cache's ``poll``); it never reaches into the cache.
+"""What a caller of the cache holds: a read-only ``MatchResult``, a ``LoadHandle`` (a locked prefix and its
+pages) and ``LoadBackError``. A handle applies finished copies through one callback, ``settle``; it never reaches
+into the cache.
 """
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ class MatchResult:
 
 
 def match_prefix(tree: RadixTree, key: Key) -> MatchResult:
-    """The longest prefix of ``key`` on L1 then L2, stopping at the first gap (a node locked while losing its
-    last tier). Reads the tree only."""
+    """The longest prefix of ``key`` on L1 then L2, stopping at the first gap. Reads the tree only."""
     path, tail = tree.match(key)
     last = len(path) - 1
     dev_parts, restore = [], []

@@ -1,5 +1,5 @@
-"""Hierarchical radix KV cache: one radix tree over L1 (device) pages, optional L2 (host) pages and an optional
-L3 tier behind L2. A request checks its budget before anything moves:
+"""Hierarchical radix KV cache over L1 (device) pages, optional L2 (host) pages and an optional L3 tier.
+A request checks its budget before anything moves:
 
     m = cache.match(key)                           # read-only: L1 hit, L2 hit, nodes to restore
     h = cache.load_back_and_lock(m, extra_pages=n) # lock, start L2->L1, pages for the delta
@@ -7,8 +7,8 @@ L3 tier behind L2. A request checks its budget before anything moves:
     cache.insert(key_of_all_ids, h.take_pages() + decode_pages)   # on finish or retraction
     cache.release(h)                               # unlock; frees what the handle still owns (abort too)
 
-Long because every method left here changes what a node holds, which one class owns; the work that separates
-(allocation, copies, accounting, write and eviction strategies, the match walk, the L3 link) is in its parts.
+Long because every method here changes what a node holds, which one class owns; the work that separates is
+in its parts.
 """
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ __all__ = ["FlushOutcome", "HierarchicalCache", "LoadBackError", "LoadHandle", "
 
 
 class HierarchicalCache:
-    """The tree's meaning (match, insert, lock, evict, tier moves, copies in flight) over composed parts.
-    Event loop only."""
+    """The tree's meaning over composed parts. Event loop only."""
 
     def __init__(
         self,
@@ -81,8 +80,7 @@ class HierarchicalCache:
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
         """Lock the matched path, take L1 pages for the restore plus ``extra_pages`` and start the L2->L1 copy;
-        raises OutOfPages having taken nothing. A stale match is redone; prefix plus delta pages still come to
-        ``match``'s hit plus ``extra_pages``."""
+        raises OutOfPages having taken nothing. A stale match is redone for the same pages in all."""
         self.poll()
         if match.version != self.tree.version:
             stale, match = match, self.match(match.key)
@@ -134,9 +132,8 @@ class HierarchicalCache:
     # -- insertion --------------------------------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
-        """Cache the full pages of ``tokens``: the tree takes ``device_pages[:full pages]`` and frees duplicates
-        and pages past a load-back in flight. Returns the tokens already on L1. ``backup``: to L2 whatever the
-        policy (a retraction)."""
+        """Cache the full pages of ``tokens``; the tree takes ``device_pages[:full pages]`` and frees duplicates.
+        Returns the tokens already on L1. ``backup``: to L2 whatever the policy (a retraction)."""
         key, device_pages = token_key(tokens), page_ids(device_pages)
         n = len(key) // self.tree.page_bytes
         if len(device_pages) < n:
@@ -147,9 +144,8 @@ class HierarchicalCache:
         return cached * self.page_size
 
     def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
-        """``insert`` for a running request (``pages``: the handle's prefix first) so others hit its pages now;
-        the lock moves down. Returns the new handle (the old one is spent) and the request's pages: the tree's
-        for the cached prefix, then the rest of ``pages``."""
+        """``insert`` for a running request (``pages``: the handle's prefix first), so others hit its pages now.
+        Returns the new handle (the old one is spent) and the request's pages: the tree's, then the rest."""
         if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
         key, pages = token_key(tokens), page_ids(pages)
@@ -171,9 +167,8 @@ class HierarchicalCache:
     def _graft(
         self, key: Key, pages: np.ndarray, n: int, *, backup: bool, exact: bool
     ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
-        """Put ``pages[:n]`` into the tree along ``key`` up to a load-back in flight, freeing duplicates; ``exact``
-        splits a node ``key`` ends inside. Returns the deepest node, pages grafted, how many were on L1 already,
-        and (``exact``) the tree's L1 pages for them."""
+        """Put ``pages[:n]`` along ``key`` up to a load-back in flight, freeing duplicates (``exact``: split where
+        ``key`` ends). Returns the deepest node, pages grafted, pages already on L1, and (``exact``) the tree's."""
         tree = self.tree
         path, tail = tree.match(key)
         node, pos, cached, dup, kept, tree_pages = tree.root, 0, 0, [], [], []
@@ -235,8 +230,7 @@ class HierarchicalCache:
         return self.figures.pages_soon_free()
 
     def _alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` L2 pages, evicting host-only leaves if needed; None when L2 cannot make room. Never raises (a
-        write_back eviction batch calls it mid-way)."""
+        """``n`` L2 pages, evicting host-only leaves if that can make room, else None; never raises."""
         if self.host_alloc is None:
             return None
         short = self.pages.host_short(n)
@@ -249,13 +243,12 @@ class HierarchicalCache:
     # -- L3 ---------------------------------------------------------------------------------------------------------
 
     def storage_keys(self, match: MatchResult) -> list[str]:
-        """L3 keys of the whole pages of ``match.key`` past its L1 + L2 hit (what a prefetch could add)."""
+        """L3 keys of the whole pages of ``match.key`` past its L1 + L2 hit."""
         last = match.path[-1] if match.path else None
         return self.tree.hashes_past(match.key, last, match.tail_pages, match.hit_tokens // self.page_size)
 
     def alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` L2 pages for a prefetch, evicting host-only leaves if needed; None when L2 cannot make room.
-        The caller owns them until it passes them to ``insert_host`` or ``free_host``."""
+        """``n`` L2 pages for a prefetch, or None; the caller owns them until ``insert_host`` or ``free_host``."""
         pages = self._alloc_host(n)
         if pages is not None:
             self.pages.lend_host(pages)
@@ -266,9 +259,8 @@ class HierarchicalCache:
         self.pages.return_host(pages)
 
     def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
-        """Attach L2 pages holding pages ``from_page, ...`` of ``tokens`` as a host-only node; pages the tree
-        holds by now are freed, all of them when pages before ``from_page`` left the tree. Returns the page
-        indices of ``tokens`` the new node holds."""
+        """Attach prefetched L2 pages (pages ``from_page, ...`` of ``tokens``) as a host-only node, freeing those
+        the tree holds by now. Returns the page indices of ``tokens`` the new node holds."""
         key, host_pages = token_key(tokens), page_ids(host_pages)
         tree, pb = self.tree, self.tree.page_bytes
         end = from_page + len(host_pages)
@@ -295,7 +287,7 @@ class HierarchicalCache:
     # -- starting copies --------------------------------------------------------------------------------------------
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
-        """Start one L1->L2 copy for the given nodes that are only on L1 (skipped if L2 has no room)."""
+        """Start one L1->L2 copy of the nodes only on L1 (none if L2 has no room)."""
         nodes = [n for n in nodes if n.on_device and not n.on_host and n.saving is None]
         if not nodes:
             return
@@ -334,7 +326,7 @@ class HierarchicalCache:
     # -- finished copies --------------------------------------------------------------------------------------------
 
     def poll(self) -> int:
-        """Apply finished copies, in submission order; returns how many. Cheap: the scheduler calls it each step."""
+        """Apply finished copies in submission order; returns how many. Cheap: called each step."""
         done = 0
         for op in self.copies.finished():
             self._finish(op)
@@ -343,11 +335,11 @@ class HierarchicalCache:
 
     @property
     def busy(self) -> bool:
-        """Copies are in flight: their locks and pages are released only by a later ``poll``."""
+        """Copies are in flight; their locks and pages go only at a later ``poll``."""
         return bool(self.copies)
 
     def drain(self) -> None:
-        """Block until every pending copy is finished and applied (tests, benchmarks, shutdown; not the loop)."""
+        """Block until every copy is applied (tests, benchmarks, shutdown; never on the loop)."""
         while self.copies:
             wait_futures(self.copies.futures())
             self.poll()
@@ -358,8 +350,7 @@ class HierarchicalCache:
             self.engine.close()
 
     def _finish(self, op: PendingCopy) -> None:
-        """Apply a finished copy. A failed one leaves no trace: its new copies are dropped, and so are the L1
-        copies later loads restore below a failed load."""
+        """Apply a finished copy; a failed one leaves no trace, nor do loads restored below a failed load."""
         ok, tree = not op.failed(), self.tree
         for node in op.nodes:
             if op.kind == "load":
@@ -389,8 +380,7 @@ class HierarchicalCache:
                     self._prune_gap_above(node)
 
     def _undo_loads_below(self, node: TreeNode) -> None:
-        """Take off L1 what later loads restore below ``node``, whose load failed; their pages are freed when
-        each copy is done."""
+        """Take off L1 what later loads restore below ``node`` (its load failed); pages go when each lands."""
         for n in self.tree.subtree(node):
             op = n.loading
             if op is not None:
@@ -404,8 +394,7 @@ class HierarchicalCache:
 
     def evict_device(self, n_pages: int) -> int:
         """Free at least ``n_pages`` L1 pages (exactly, under SLRU) from unlocked leaves in one batch; returns
-        pages released. A leaf on L2 becomes host-only; under write_back an L1-only leaf is copied to L2 first;
-        any other leaf leaves the tree with its host-only subtree."""
+        pages released. Victims on L2 become host-only, write_back copies L1-only ones first, others leave."""
         tree = self.tree
         write_back = self.writes.demotes
         demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
@@ -442,7 +431,7 @@ class HierarchicalCache:
         return released
 
     def _start_demotion(self, op: PendingCopy, old_pages: list[np.ndarray]) -> None:
-        """Copy write_back victims still in the tree to L2; their old L1 pages are freed when the copy lands."""
+        """Copy write_back victims still in the tree to L2; old L1 pages are freed when it lands."""
         live = [(n, p) for n, p in zip(op.nodes, old_pages) if n.parent is not None]
         op.drain = cat_pages(old_pages)
         if not live:
@@ -467,7 +456,7 @@ class HierarchicalCache:
         return freed
 
     def _trim(self, node: TreeNode, need: int) -> TreeNode:
-        """The part of victim ``node`` to give up for ``need`` more pages (``node`` keeps the tail split off)."""
+        """Split off the part of victim ``node`` to give up for ``need`` pages; ``node`` is that part."""
         k = self.tree.num_pages(node)
         give = self.order.pages_to_give(k, need)
         if give < k:
@@ -478,8 +467,7 @@ class HierarchicalCache:
         return self.figures.host_evictable_pages(self._demoting.nodes if self._demoting is not None else ())
 
     def _drop(self, node: TreeNode, device_pages: list[np.ndarray] | None = None) -> None:
-        """Remove an unlocked node and its subtree, freeing their pages (L1 ones into ``device_pages`` if given,
-        for one batch free)."""
+        """Remove an unlocked node and its subtree, freeing their pages (L1 ones into ``device_pages`` if given)."""
         for n in self.tree.subtree(node) if node.children else (node,):
             if n.on_device:
                 pages = self.tree.clear_device(n)
@@ -493,7 +481,7 @@ class HierarchicalCache:
         self.tree.remove(node)
 
     def _prune_gap_above(self, node: TreeNode) -> None:
-        """Drop the highest unlocked node in neither tier on the path to ``node`` (left by a failed backup)."""
+        """Drop the highest unlocked tierless node above ``node`` (left by a failed copy)."""
         if (gap := self.tree.highest_gap(node)) is not None:
             self._drop(gap)
 
@@ -511,8 +499,8 @@ class HierarchicalCache:
         return dropped
 
     async def flush_settled(self, timeout_s: float) -> FlushOutcome:
-        """``flush`` after waiting at most ``timeout_s`` for copies in flight (a backup's locks would keep the
-        prefix just cached); says what stayed."""
+        """``flush`` after waiting at most ``timeout_s`` for copies in flight, whose locks would keep the prefix
+        just cached; says what stayed."""
         waited_for = len(self.copies)
         if self.copies:
             await asyncio.wait([asyncio.wrap_future(f) for f in self.copies.futures()], timeout=timeout_s)

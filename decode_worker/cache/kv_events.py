@@ -1,10 +1,6 @@
-"""KV events: which pages this worker holds on which tier, in vLLM's event format, for KV-aware routers (llm-d,
-Dynamo). The wire format and what each field means: README, "KV events for KV-aware routers".
-
-The tree calls ``TreeEvents`` each time a node gains or loses a tier; it turns the node into one event covering
-its pages and hands it to ``emit`` (the publisher's non-blocking ``put``), so the cache does no I/O. A split or a
-removal sends nothing: a split keeps every page's hash and tier, and a removed node holds no tier. L3 is not
-published (its stores are asynchronous, evict on their own and may be shared between workers).
+"""KV events: which pages this worker holds on which tier, in vLLM's format, for KV-aware routers (format:
+README, "KV events for KV-aware routers"). The tree calls ``TreeEvents`` as a node gains or loses a tier; it
+hands one event to ``emit`` (a non-blocking put), so the cache does no I/O. L3 is not published.
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ class BlockStored:
     medium: str
 
     def wire(self) -> list:
-        """vLLM's msgspec ``array_like`` tagged form: the tag, then every field in declaration order (lora_id
-        and lora_name, which we never set, in their places as nil)."""
+        """vLLM's msgspec ``array_like`` form: the tag, then every field in order (lora fields as nil)."""
         return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None,
                 self.medium, None]
 
@@ -69,7 +64,7 @@ class HashedTree(Protocol):
 
 
 class TreeEvents:
-    """What ``RadixTree`` calls as nodes gain or lose a tier. The tree holds None instead when events are off."""
+    """What ``RadixTree`` calls as nodes gain or lose a tier (None on the tree when events are off)."""
 
     def __init__(self, tree: HashedTree, emit: Callable[[KVEvent], None]):
         self.tree = tree

@@ -1,8 +1,6 @@
-"""The radix tree's node, its keys and its page hashes: the bottom layer of the cache, importing nothing of it.
-
-A key is token ids packed as int32 little-endian bytes, so matching a node is one ``bytes.startswith`` and a
-cached token costs 4 bytes the garbage collector never scans. Page hashes chain SHA-256 over each page's tokens,
-seeded with the KV layout's fingerprint: they name pages in L3 and in KV events.
+"""The radix tree's node, its keys and its page hashes: the cache's bottom layer. A key is token ids packed as
+int32 little-endian bytes; page hashes chain SHA-256 over each page's tokens, seeded with the KV layout's
+fingerprint, and name pages in L3 and KV events.
 """
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor | Key
 
 
 def token_key(tokens: Tokens) -> Key:
-    """The tree key of a token sequence; packed keys (``Sequence.key``) pass through as they are. Build it once
-    per request and pass it to both match and insert."""
+    """The tree key of a token sequence (packed keys pass through); build it once per request."""
     if isinstance(tokens, bytes):
         return tokens
     if isinstance(tokens, torch.Tensor):
@@ -34,8 +31,7 @@ def token_key(tokens: Tokens) -> Key:
 
 @dataclass(eq=False, slots=True)
 class TreeNode:
-    """A run of whole pages and where their KV lives: L1 page ids, L2 page ids, or both (see ``HierarchicalCache``
-    for who may change which field)."""
+    """A run of whole pages and where their KV lives: L1 page ids, L2 page ids, or both."""
 
     key: Key  # this node's run of whole pages
     parent: TreeNode | None = None

@@ -1,9 +1,7 @@
-"""Paged KV storage and the page allocator shared by the L1 (device) and L2 (host) tiers.
+"""Paged KV storage and the page allocator shared by L1 (device) and L2 (host).
 
-Both tiers use one page-major layout, ``buffer[page, layer, kv, slot, kv_head, head_dim]`` (kv 0 = K, 1 = V): a
-page (every layer, K and V) is one contiguous run of ``page_bytes``, so it moves between tiers with one index copy
-over dim 0, between PD peers as one transfer descriptor, and to L3 as one record. Attention reads one layer's K or
-V as a page-addressed strided view (``k_pages``), and finds token ``slot = page * page_size + offset`` through it.
+Both tiers use one page-major layout, ``buffer[page, layer, kv, slot, kv_head, head_dim]``: a page is one
+contiguous run of ``page_bytes``, one copy between tiers, one descriptor between PD peers, one L3 record.
 """
 from __future__ import annotations
 
@@ -69,9 +67,8 @@ class KVPool:
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", pin_memory: bool = False,
                  shared: bool = False):
-        """``shared``: a host pool other processes on this host may map (``core/shared_memory.py``), as a prefill
-        worker's is, so its decode peers copy pages out of it directly; ``self.shared`` is then its sealed memory file,
-        which the worker's agent hands to them (``transfer/pool_share.py``)."""
+        """``shared``: a host pool other processes on this host may map (a prefill's, for its decode peers);
+        ``self.shared`` is then its sealed memory file."""
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
@@ -89,8 +86,8 @@ class KVPool:
         return self.layout.page_size
 
     def k_pages(self, layer: int) -> torch.Tensor:
-        """Page-addressed view ``[num_pages, page_size, kv_heads, head_dim]`` of layer K; its page stride is a whole
-        page, so kernels must index it through its strides."""
+        """Page-addressed view ``[num_pages, page_size, kv_heads, head_dim]`` of layer K; kernels must index it
+        through its strides (a page stride is a whole page)."""
         return self.buffer[:, layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
@@ -111,9 +108,7 @@ RESERVED = -3  # ...of one never handed out
 
 
 class PageAllocator:
-    """All-or-nothing page allocator on whole arrays, refusing a double free: a free stack in one int64 array and
-    a vectorised in-use check (docs/architecture.md, "Free-stack allocator"). ``reserved`` leading pages are never
-    handed out (the device pool keeps page 0 as scratch)."""
+    """All-or-nothing allocator that refuses a double free; ``reserved`` leading pages are never handed out."""
 
     def __init__(self, num_pages: int, reserved: int = 0):
         if num_pages <= reserved:
@@ -192,13 +187,7 @@ NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 def page_ids(pages: PageIds) -> np.ndarray:
-    """Page ids as the cache keeps them: an int64 numpy array, passed through as it is when it already is one.
-
-    One representation from allocation to the tree, the copy engine and L3: the cache slices, joins and compares
-    small page-id arrays many times per request, which numpy does several times faster than torch (figures in
-    docs/architecture.md). The copy engine takes torch views of them (no copy); what comes in as a torch tensor
-    or a list converts here.
-    """
+    """Page ids as the cache keeps them end to end: an int64 numpy array (lists and tensors convert here)."""
     if type(pages) is np.ndarray and pages.dtype == np.int64:
         return pages
     if isinstance(pages, torch.Tensor):

@@ -1,8 +1,5 @@
-"""What the scheduler uses of the KV cache, as a protocol, and the stand-in for a worker without prefix reuse.
-
-``HierarchicalCache`` satisfies ``PrefixCache`` (and, with L3 storage, ``PrefetchCache``) structurally. With the
-radix cache off, the engine hands the scheduler ``NoPrefixReuse(cache)``: it matches nothing and frees what it
-would insert, so the scheduler runs the same code either way.
+"""What the scheduler uses of the KV cache, as protocols, and ``NoPrefixReuse`` for a worker without prefix
+reuse, so the scheduler runs the same code either way.
 """
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ if TYPE_CHECKING:
 
 
 class PrefixCache(Protocol):
-    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth.
-    L1 page ids come back as int64 numpy arrays and go in as any ``PageIds`` (``pool.page_ids``)."""
+    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth."""
 
     @property
     def storage(self) -> StorageTier | None: ...
@@ -82,8 +78,7 @@ def has_storage(cache: PrefixCache) -> TypeGuard[PrefetchCache]:
 
 
 class NoPrefixReuse:
-    """A cache that reuses nothing (the decode role without ``--disaggregation-decode-enable-radix-cache``):
-    every match is empty and inserted pages are freed; pages, locks and polling go to the wrapped cache."""
+    """Matches nothing and frees what it would insert (radix cache off); the rest goes to the wrapped cache."""
 
     storage = None  # L3 storage needs the radix cache (the flags say so)
 

@@ -1,9 +1,6 @@
-"""Page-granular radix tree over packed token keys (``node.py``): structure, tiers, lock refs, access stats and
-the page counts and evictable leaves each tier's budget checks read without a walk.
-
-Which allocator a page belongs to, copies and policies are ``HierarchicalCache``'s business. A match is a few
-Python steps per node (one ``bytes.startswith`` each, a child found by one dict probe on its first page), never
-one per token.
+"""Page-granular radix tree over packed token keys: structure, tiers, lock refs, access stats, and the page
+counts and evictable leaves the budget checks read without a walk. Allocators, copies and policies are
+``HierarchicalCache``'s business.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from decode_worker.core.sequence import TOKEN_BYTES
 
 
 class RadixTree:
-    """Structure, tiers and locks of the cached prefixes; page accounting counters for fast budget checks."""
+    """Structure, tiers and locks of the cached prefixes, with page counters for budget checks."""
 
     def __init__(self, page_size: int, hash_seed: str = "", rank: RankKey = lambda n: (n.last_access,)):
         self.page_size = page_size
@@ -42,11 +39,8 @@ class RadixTree:
         return len(node.key) // self.page_bytes
 
     def match(self, key: Key) -> tuple[list[TreeNode], int]:
-        """Longest page-aligned path spelling a prefix of ``key``, regardless of tiers.
-
-        Returns ``(path, tail_pages)``: every node of ``path`` matches fully except possibly the last, of which
-        the first ``tail_pages`` pages match.
-        """
+        """Longest page-aligned path spelling a prefix of ``key``, regardless of tiers: ``(path, tail_pages)``, the
+        last node matching only its first ``tail_pages`` pages."""
         pb = self.page_bytes
         end = len(key) - len(key) % pb
         node, pos, path = self.root, 0, []
@@ -115,8 +109,7 @@ class RadixTree:
         return node.hashes
 
     def hashes_past(self, key: Key, last: TreeNode | None, tail: int, hit: int) -> list[str]:
-        """Hex chained hashes of the whole pages of ``key`` from page ``hit`` on, where the first ``hit`` pages end
-        at page ``tail`` of ``last`` (None: nothing matched). What an L3 lookup past a match asks for."""
+        """L3 keys of the whole pages of ``key`` from page ``hit`` on (the hit ends at page ``tail`` of ``last``)."""
         pb = self.page_bytes
         if hit * pb + pb > len(key):
             return []
@@ -124,9 +117,8 @@ class RadixTree:
         return [h.hex() for h in chain_hashes(key[hit * pb :], self.page_size, prev)]
 
     def attach_point(self, key: Key) -> tuple[TreeNode, int, tuple[TreeNode, int] | None]:
-        """Where pages past the cached part of ``key`` would hang: the deepest node matching it, the pages matched
-        up to there (-1 when a node in neither tier holds the spot), and, when that node matches only in part,
-        it with the pages to split it after."""
+        """Where pages past the cached part of ``key`` would hang: the deepest matching node, pages matched (-1
+        when a tierless node holds the spot), and the split to make first, if any."""
         path, tail = self.match(key)
         parent, have, cut = self.root, 0, None
         for i, node in enumerate(path):
@@ -195,9 +187,8 @@ class RadixTree:
         return head
 
     def cut_device_tail(self, node: TreeNode, keep: int) -> np.ndarray | None:
-        """Take the L1 pages of ``node`` past its first ``keep`` off it, in place, and return them: what splitting
-        off the tail and dropping it does, without a new node. Only for an unlocked leaf held on L1 alone with no
-        copy on it and no KV-event listener (which expects whole nodes); None (nothing changed) otherwise."""
+        """Cut ``node``'s L1 pages past ``keep`` off in place and return them (only an unlocked L1-only leaf with
+        no copy and no event listener; else None)."""
         assert 0 < keep < self.num_pages(node)
         if (node.children or node.lock_ref or node.host_indices is not None or node.loading is not None
                 or node.saving is not None or self.events is not None):
@@ -309,10 +300,7 @@ class RadixTree:
             node = node.parent
 
     def _count_host(self, node: TreeNode, sign: int, lock_ref: int | None = None) -> None:
-        """Add (``sign`` +1) or take out (-1) ``node``'s L2 pages in the L2 counters, by its state now (or by
-        ``lock_ref`` when given: its lock just changed). Each change of a node's tiers or lock takes it out before
-        and adds it back after, so ``stats`` and the L2 eviction pre-check never walk the tree; a split keeps
-        the sums (head and tail share the state)."""
+        """Add (``sign`` +1) or take out (-1) ``node``'s L2 pages from the counters by its state (or ``lock_ref``)."""
         if node.host_indices is None:
             return
         k = sign * len(node.host_indices)
@@ -334,8 +322,7 @@ class RadixTree:
                 and not node.children and node.saving is None)
 
     def refresh(self, node: TreeNode) -> None:
-        """File ``node`` in or out of each tier's evictable leaves after its lock or copies changed. The tree's
-        own changes re-file just the nodes and tiers each one can affect; none walks the tree."""
+        """File ``node`` in or out of each tier's evictable leaves after its lock or copies changed."""
         self._file(self.device_leaves, node, self.device_evictable(node))
         self._file(self.host_leaves, node, self.host_evictable(node))
 

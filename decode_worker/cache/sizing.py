@@ -1,9 +1,5 @@
-"""Size the L2 host pool from ``--disaggregation-decode-hicache-ratio`` / ``-size`` and refuse early if it won't fit.
-
-Allocating tens of GB of (pinned) host memory that the machine does not have fails late and obscurely (an OOM
-kill mid-serving, or a CUDA pinning error); checking ``MemAvailable`` at start turns that into a clear message.
-With L1 on CUDA the copy engine's staging (``STAGING_BYTES`` of registered host memory and as much device memory)
-comes with the L2 pool, so both checks count it.
+"""Size the L1 and L2 pools from the flags and refuse at start, with a clear message, what would not fit
+(rather than an OOM kill or a pinning error mid-serving).
 """
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ class InsufficientDeviceMemory(RuntimeError):
 
 
 def staging_bytes(cuda_available: bool | None = None) -> int:
-    """Host (and, as much again, device) memory the copy engine's staging takes: none unless L1 is on CUDA
-    (``cuda_available`` says whether it is; by default, whether CUDA is there), since host pools copy directly."""
+    """Host (and as much device) memory the copy engine's staging takes: none unless L1 is on CUDA."""
     return STAGING_BYTES if (torch.cuda.is_available() if cuda_available is None else cuda_available) else 0
 
 
@@ -47,11 +42,8 @@ def host_pool_pages(
     headroom_bytes: int = 2 * 1024**3,
     cuda_available: bool | None = None,
 ) -> int:
-    """Pages of the L2 pool: ``size_gb`` if given, else ``ratio`` times the L1 pool.
-
-    Raises ``InsufficientHostMemory`` when the pool, the copy engine's host staging (with CUDA) and
-    ``headroom_bytes`` (for the process itself) exceed the memory the host has available now.
-    """
+    """Pages of the L2 pool: ``size_gb`` if given, else ``ratio`` times L1. Raises
+    ``InsufficientHostMemory`` when it, the staging and ``headroom_bytes`` exceed the memory available now."""
     if size_gb is not None:
         if size_gb <= 0:
             raise ValueError(f"--disaggregation-decode-hicache-size must be positive, got {size_gb}")
@@ -78,12 +70,8 @@ def host_pool_pages(
 
 def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_available: bool | None = None,
                    device_free_bytes: int | None = None) -> KVPool:
-    """The L2 pool in host memory, exactly the bytes ``host_pool_pages`` counted; page-locked in place when L1 is
-    on CUDA, so copies run asynchronously at full speed (see ``pin_in_place``: no power-of-two rounding).
-
-    With L1 on CUDA, first checks that the copy engine's device staging still fits in the device's free memory
-    (``device_free_bytes``, else what CUDA reports), raising ``InsufficientDeviceMemory`` before anything is
-    allocated or registered rather than failing at the first copy."""
+    """The L2 pool, pinned in place when L1 is on CUDA; raises ``InsufficientDeviceMemory`` first when the
+    copy engine's device staging would not fit."""
     if device_pool.device.type == "cuda":
         free = torch.cuda.mem_get_info(device_pool.device)[0] if device_free_bytes is None else device_free_bytes
         if free < STAGING_BYTES:
@@ -102,12 +90,8 @@ MEM_FRACTION_STATIC = 0.85  # the --mem-fraction-static default
 def device_pool_tokens(model, page_size: int, dtype: torch.dtype, mem_fraction_static: float = MEM_FRACTION_STATIC,
                        device: torch.device | str | None = None, free_bytes: int | None = None,
                        total_bytes: int | None = None) -> int:
-    """L1 capacity in tokens on CUDA when ``--max-total-tokens`` is not given, as SGLang's ``--mem-fraction-static``
-    sizes it: weights and the KV pool together take at most that fraction of the device's memory. Called after the
-    weights are loaded, so the pool gets what is free now (``free_bytes``, else what CUDA reports once the allocator's
-    cache is emptied) less the ``1 - mem_fraction_static`` of the total (``total_bytes``) kept back for what comes
-    after the pool: activations, the CUDA graphs, the copy engine's staging. ``model`` gives the KV geometry
-    (``num_layers``, ``num_kv_heads``, ``head_dim``); one page goes to the runner's scratch page."""
+    """L1 tokens on CUDA without ``--max-total-tokens``: weights plus pool within ``mem_fraction_static``
+    of the device (as SGLang sizes it). Call after the weights are loaded; one page is the runner's scratch."""
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static must be between 0 and 1, got {mem_fraction_static}")
     layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
@@ -130,10 +114,8 @@ HOST_L1_SHARE = 1 / 16  # most of the available memory an unsized CPU L1 takes
 
 
 def host_device_pool_tokens(model, page_size: int, dtype: torch.dtype, available_bytes: int | None = None) -> int:
-    """L1 capacity in tokens on CPU when ``--max-total-tokens`` is not given: ``HOST_CONTEXTS`` full contexts of the
-    model (``model.max_context``), less where that would take more than ``HOST_L1_SHARE`` of the memory available
-    now, and never under one context. The L2 (a multiple of it) and a second worker on the same host then still
-    fit a laptop; a larger L1 is one flag away."""
+    """L1 tokens on CPU without ``--max-total-tokens``: ``HOST_CONTEXTS`` contexts of the model,
+    capped at ``HOST_L1_SHARE`` of the available memory, never under one context."""
     layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
     have = mem_available_bytes() if available_bytes is None else available_bytes
     token_bytes = layout.page_bytes / page_size

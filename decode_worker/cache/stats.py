@@ -1,8 +1,5 @@
-"""What the cache reports: pages per tier and state, token counters per tier, and the L3 tier's figures.
-
-``HierarchicalCache.stats()`` returns a ``CacheStats`` snapshot. The engine reads its fields (``get_load``), the
-metrics module maps them onto metric families, and ``to_dict()`` gives the ``cache`` object of ``/server_info``
-(its keys and nesting are part of the API: change them only with the API).
+"""What the cache reports: pages per tier and state, token counters, the L3 tier's figures. ``to_dict()`` is
+the ``cache`` object of ``/server_info``: its keys and nesting are API.
 """
 from __future__ import annotations
 
@@ -11,12 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class TierPages:
-    """Pages of one tier by state: free + used + evictable + locked = total.
-
-    ``used``: allocated but not evictable now (L1: request pages and pages copies free once done; L2: host copies
-    of nodes still on L1, and pages receiving an L3 prefetch). ``evictable``: unlocked tree pages the tier could
-    free (L2: host-only ones). ``locked``: tree pages a request or a copy holds.
-    """
+    """Pages of one tier by state: free + used + evictable + locked = total. ``used``: allocated but not
+    evictable (request pages, drains, L2 copies of L1 nodes, prefetch pages); ``locked``: tree pages held."""
 
     total: int
     free: int
@@ -44,8 +37,7 @@ class StorageStats:
 
 @dataclass
 class CacheCounters:
-    """Monotonic token counters per tier, exported by the metrics module. The cache updates them in place;
-    ``stats()`` hands out a copy."""
+    """Monotonic token counters per tier; the cache updates them in place, ``stats()`` hands out a copy."""
 
     cached_device: int = 0  # prompt tokens served from L1
     cached_host: int = 0  # prompt tokens restored from L2
@@ -65,7 +57,7 @@ class CacheCounters:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """One snapshot of the cache: L1 pages, L2 pages (None without an L2), L3 figures (None without an L3)."""
+    """One snapshot: L1 pages, L2 pages and L3 figures (None without that tier)."""
 
     device: TierPages
     tokens: CacheCounters

@@ -1,6 +1,5 @@
 """The cache's two policies as strategies: the write policy (when an L1 page gets its L2 copy) and the eviction
-order (which unlocked leaf a tier gives up first, and whether only part of it); ``LeafHeap`` keeps a tier's
-evictable leaves in that order so an eviction batch costs what it evicts.
+order; ``LeafHeap`` keeps a tier's evictable leaves in that order.
 """
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ def _lru(node: TreeNode) -> tuple:
 
 @dataclass(frozen=True)
 class EvictionOrder:
-    """``rank``: least worth keeping first, a key that only grows as a node is used. ``partial``: a victim gives
-    up only the pages an eviction still needs (its tail; the head stays cached with its hit count), so a shared
-    prefix is never evicted whole for a few pages."""
+    """``rank``: least worth keeping first, a key that only grows with use. ``partial``: a victim gives up only
+    the pages still needed (its tail), so a shared prefix is never evicted whole for a few pages."""
 
     policy: EvictionPolicy
     rank: RankKey
@@ -65,9 +63,8 @@ class EvictionOrder:
 
 
 def eviction_order(policy: EvictionPolicy) -> EvictionOrder:
-    """SLRU: never-hit nodes first (a request's own suffix, rarely reused), then hit ones (shared prefixes), least
-    recently used first within each, victims cut to what is needed; LRU: least recently used; LFU: least hit,
-    then least recent; both give up whole leaves."""
+    """SLRU: never-hit nodes, then hit ones, least recent first within each, victims cut to what is needed;
+    LRU; LFU (least hit, then least recent). The last two give up whole leaves."""
     if policy == EvictionPolicy.SLRU:
         return EvictionOrder(policy, _slru, partial=True)
     if policy == EvictionPolicy.LFU:

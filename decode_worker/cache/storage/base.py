@@ -1,16 +1,10 @@
 """The L3 store interface and the self-checking page record every backend stores.
 
-A store maps a page key (the radix tree's chained SHA-256 of the page's tokens, hex, seeded with the KV layout
-fingerprint) to one record. Stores are dumb and shared: another pod, another model, a crash mid-write or a
-full disk can leave anything under a key, so a record is only trusted after ``decode_record`` has checked its
-magic, version, layout fingerprint, key, length and checksum. A record that fails is a miss, never KV.
-
-Record layout (little endian)::
+A store maps a page key (hex chained SHA-256, ``node.py``) to one record. Stores are shared and dumb, so a record
+is trusted only once ``decode_record`` checked it; one that fails is a miss, never KV. Layout (little endian)::
 
     magic "DWKV" | version u16 | reserved u16 | layout fingerprint 16 B | page key 32 B | payload length u64
-    | crc32 u32 | payload: the page as contiguous [layer, kv, slot, kv_head, head_dim] in the pool dtype
-
-The crc32 covers the payload and every header field before it.
+    | crc32 u32 (over the payload and every field before it) | payload: the page in the pool dtype
 """
 from __future__ import annotations
 
@@ -38,10 +32,7 @@ class RecordError(ValueError):
 
 
 def seal_record(record: bytearray | memoryview, key: str, fingerprint: str) -> None:
-    """Write the header of ``record``, a buffer of HEADER_BYTES + payload whose payload is already in place.
-
-    Building the record in place lets the tier copy a page out of L2 once, straight into the record.
-    """
+    """Write the header of ``record`` (HEADER_BYTES + payload already in place, so a page is copied once)."""
     view = memoryview(record)
     payload = view[HEADER_BYTES:]
     head = _HEAD.pack(MAGIC, VERSION, 0, bytes.fromhex(fingerprint), bytes.fromhex(key), len(payload))
@@ -58,11 +49,8 @@ def encode_record(key: str, fingerprint: str, payload: bytes | memoryview) -> by
 
 
 def decode_record(record: bytes, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
-    """The payload of ``record`` if it is a whole, intact page of ``key`` in our layout; raises RecordError.
-
-    Lengths first (a truncated record is ``short``), then the checksum, and only then the fields it vouches
-    for: a record that checks out but names another layout is ``foreign``, not damage.
-    """
+    """The payload of ``record`` if it is an intact page of ``key`` in our layout, else RecordError: ``short``,
+    damaged, or ``foreign`` (checks out but names another layout)."""
     if len(record) < HEADER_BYTES:
         raise RecordError(SHORT, f"{len(record)} bytes, the header alone is {HEADER_BYTES}")
     magic, version, _, fp, rec_key, length = _HEAD.unpack_from(record)

@@ -1,13 +1,8 @@
-"""File backend: one file per page under a folder, the embedded default L3 (a local disk or a shared mount).
+"""File backend, the embedded default L3: one file per page, ``root/ab/abcd….page`` for key ``abcd…``.
 
-``root/ab/abcd….page`` holds the record of key ``abcd…`` (256 sub-folders keep directories small). A record is
-written to a temporary file in the same folder and renamed over the final name, so a reader sees a whole
-record or none; there is no fsync: a record that a power cut leaves short fails its length or checksum check
-and reads as a miss. A byte cap is kept with LRU clean-up: reads bump a file's mtime, a start-up scan orders
-existing files by mtime, and a put past the cap deletes least recently used files down to 90% of it. With
-several workers on one shared folder each keeps its own index, so the cap holds per worker, approximately.
-
-Blocking file calls run in worker threads (``asyncio.to_thread``), never on the event loop.
+A record is written to a temporary file and renamed, so a reader sees all of it or none; without fsync, one a
+power cut leaves short fails its checks and reads as a miss. A byte cap is kept per worker by LRU on mtime.
+Blocking calls run in threads.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The cache's link to its L3 tier: which L2 pages go on to L3 under the storage backup policy, and handing
-them over. It sees L3 keys, L2 page ids and hit counts, never nodes: the cache picks the nodes.
+"""The cache's link to its L3 tier: which L2 pages go on to L3 under the storage backup policy. It sees keys,
+page ids and hit counts, never nodes.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class StorageLink:
         self.policy = policy
 
     def after_backup(self, hit_count: int) -> bool:
-        """Does a node whose L1 -> L2 copy just landed go on to L3? All do, or under hit_twice those hit twice."""
+        """Does a node whose L1 -> L2 copy just landed go on to L3?"""
         return self.policy == StorageBackup.ALL or hit_count >= SELECTIVE_HITS
 
     def on_hit(self, hit_count: int) -> bool:

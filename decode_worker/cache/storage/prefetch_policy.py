@@ -1,8 +1,5 @@
-"""How long a request waits for its L3 -> L2 prefetch before it proceeds with the pages that arrived.
-
-``best_effort`` never waits (the prefetch still fills L2 for later requests), ``timeout`` waits
-``min(cap, base + per_1k * tokens / 1000)`` so a long prefix may take longer but never unboundedly, and
-``wait_complete`` waits for every page, up to a hard cap so that a stuck store cannot stall a request forever.
+"""How long a request waits for its L3 -> L2 prefetch: ``best_effort`` never, ``timeout`` for
+``min(cap, base + per_1k * tokens / 1000)``, ``wait_complete`` for every page up to a hard cap.
 """
 from __future__ import annotations
 

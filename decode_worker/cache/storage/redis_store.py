@@ -1,9 +1,6 @@
-"""Redis / Valkey backend: one string per page, shared by every decode pod pointed at the same server.
-
-Keys are ``dwkv:<page key>``; the page key already carries the layout fingerprint in its hash seed, so pods of
-different models share a server without sharing pages. The server owns the size cap: run it with
-``maxmemory`` and ``maxmemory-policy allkeys-lru`` (with ``noeviction`` a full server fails puts, counted as
-``full``). The client does not retry: the StorageTier's deadline and circuit decide what a failure costs.
+"""Redis / Valkey backend: one string per page (``dwkv:<page key>``), shared by every pod on the server. The
+server owns the size cap (``maxmemory`` with ``allkeys-lru``); the client never retries (the tier's deadline and
+circuit decide).
 """
 from __future__ import annotations
 

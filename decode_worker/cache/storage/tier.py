@@ -1,10 +1,7 @@
 """The L3 tier as the cache sees it: prefetch into L2 pages, background backup out of L2 pages.
 
-Every store call runs under a deadline; a failure (down, slow, full, a record that does not verify) becomes a miss
-and a count in ``failures[(op, reason)]``, never an error in a request, and a store error opens a circuit that
-skips calls for ``down_for_s``. A prefetch writes only verified pages, in order, stopping at the first miss; a
-backup copies its L2 pages out at once (L2 may evict them when the call returns) and stores them from a bounded
-queue. Event loop only; file I/O and record checks run in worker threads.
+Every store call has a deadline; a failure becomes a miss and a count in ``failures``, never a request error, and
+a store error skips calls for ``down_for_s``. Event loop only; I/O and record checks run in threads.
 """
 from __future__ import annotations
 
@@ -50,19 +47,14 @@ class _BackupJob:
 
 
 def _host_bytes(pool: KVPool) -> np.ndarray:
-    """``[page, page_bytes]`` uint8 view of a host pool: no copy, any dtype. A page is one contiguous run (the pool
-    is page-major), so a record's payload is exactly one row, copied by numpy at memcpy speed."""
+    """``[page, page_bytes]`` uint8 view of a host pool (no copy): a record's payload is one row."""
     return pool.buffer.view(torch.uint8).numpy().reshape(pool.num_pages, -1)
 
 
 class Prefetch:
-    """An L3 -> L2 prefetch in flight. ``arrived`` counts leading pages written and verified; it only grows, and
-    once ``stop()`` returns nothing more is written, so the caller can commit those pages and free the rest.
-
-    ``stop()`` sets ``stopped``, which the fetch checks after every await and before every copy. Cancelling the
-    task alone is not enough: a cancel that lands after a store call answered but before the task resumed is
-    lost inside ``asyncio.wait_for`` (Python 3.11), and the fetch would go on writing pages already freed.
-    """
+    """An L3 -> L2 prefetch in flight. ``arrived`` (leading pages written and verified) only grows, and once
+    ``stop()`` returns nothing more is written, so the caller may commit those pages and free the rest. A cancel
+    alone is not enough (it can be lost inside ``asyncio.wait_for``): the fetch checks ``stopped`` itself."""
 
     def __init__(self, keys: list[str], fetch: Callable[[Prefetch], Coroutine]):
         """``fetch(self)``: the coroutine that writes the pages and counts them in ``arrived``."""
@@ -90,8 +82,7 @@ class Prefetch:
 
 
 class StorageTier:
-    """Owns a store backend; the hierarchical cache calls exists / start_prefetch / backup with page keys
-    (``RadixTree.page_hashes``) and L2 page indices."""
+    """Owns a store backend; the cache calls it with page keys and L2 page ids."""
 
     def __init__(
         self,
@@ -282,7 +273,7 @@ class StorageTier:
         return out
 
     def _reject(self, op: str, key: str, reason: str) -> None:
-        """Count a page that is not usable; delete a damaged one so that a later backup can rewrite it."""
+        """Count an unusable page; delete a damaged one so a later backup can rewrite it."""
         if reason == MISS:
             return
         self.failures[op, reason] += 1
