@@ -57,6 +57,8 @@ def test_host_evictable_pages_leave_out_demoting_victims_and_the_host_only_nodes
     victim = tree.add_host_child(mid, token_key(range(8, 10)), pages.host.alloc(1))
     assert acc.host_evictable_pages([victim]) == 1  # only ``other``: victim, mid and top are spoken for
     assert other.on_host and acc.host_evictable_pages([victim, victim]) == 1
+    tree.lock(mid)  # a lock pins mid and top: they leave the count, and the walk up stops at mid
+    assert tree.host_only_pages == 2 and acc.host_evictable_pages([victim]) == 1
 
 
 def test_stats_snapshot_copies_the_counters_and_sums_each_tier_to_its_total():

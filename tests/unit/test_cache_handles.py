@@ -65,5 +65,9 @@ def test_match_prefix_takes_l1_then_l2_and_stops_at_a_gap_reading_the_tree_only(
     m = match_prefix(tree, token_key(range(12)))
     assert (m.device_hit_tokens, m.host_hit_tokens, m.restore_nodes, m.path) == (4, 4, [host], [dev, host])
     assert m.device_indices.tolist() == [1, 2] and m.tail_pages == 2 and tree.version == version
+    both = tree.add_child(host, token_key(range(20, 22)), np.array([8]))
+    tree.set_host(both, np.array([9]))  # on L1 below a node still on L2 alone: not an L1 hit, a gap
+    m = match_prefix(tree, token_key([*range(8), 20, 21]))
+    assert m.path == [dev, host] and m.device_hit_tokens == 4 and m.host_hit_tokens == 4
     part = match_prefix(tree, token_key(range(3)))  # one full page of ``dev``
     assert part.path == [dev] and part.tail_pages == 1 and part.device_indices.tolist() == [1]
