@@ -1,7 +1,5 @@
-"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop.
-
-Copies run strictly in submission order, which the cache relies on: a load-back queued after a backup of the
-same host pages reads the finished backup. Each returns a ``concurrent.futures.Future``.
+"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop,
+strictly in submission order: a load-back queued after a backup of the same host pages reads the finished backup.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ class PageCopier(Protocol):
 
 
 class CopyEngine:
-    """``PageCopier`` on one worker thread (see the module docstring)."""
+    """``PageCopier`` on one worker thread."""
 
     def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor, staging_bytes: int = STAGING_BYTES):
         self.device_buffer = device_buffer

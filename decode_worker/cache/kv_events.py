@@ -1,6 +1,6 @@
-"""KV events: which pages this worker holds on which tier, in vLLM's format, for KV-aware routers (format:
-README, "KV events for KV-aware routers"). The tree calls ``TreeEvents`` as a node gains or loses a tier; it
-hands one event to ``emit`` (a non-blocking put), so the cache does no I/O. L3 is not published.
+"""KV events: which pages this worker holds on which tier, in vLLM's format, for KV-aware routers (README, "KV
+events for KV-aware routers"). ``TreeEvents`` turns a node's tier change into one event for ``emit`` (a
+non-blocking put), so the cache does no I/O.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The radix tree's node, its keys and its page hashes: the cache's bottom layer. A key is token ids packed as
-int32 little-endian bytes; page hashes chain SHA-256 over each page's tokens, seeded with the KV layout's
-fingerprint, and name pages in L3 and KV events.
+"""The radix tree's node, its keys (token ids packed as int32 little-endian bytes) and its page hashes (chained
+SHA-256 seeded with the KV layout's fingerprint: the names of pages in L3 and KV events). The cache's bottom layer.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""File backend, the embedded default L3: one file per page, ``root/ab/abcd….page`` for key ``abcd…``.
-
-A record is written to a temporary file and renamed, so a reader sees all of it or none; without fsync, one a
-power cut leaves short fails its checks and reads as a miss. A byte cap is kept per worker by LRU on mtime.
-Blocking calls run in threads.
+"""File backend, the embedded default L3: one file per page, ``root/ab/abcd….page`` for key ``abcd…``, written
+to a temporary file and renamed (a reader sees all of a record or none), with a byte cap per worker kept by LRU
+(docs/architecture.md, "L3 stores"). Blocking calls run in threads.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The L3 tier as the cache sees it: prefetch into L2 pages, background backup out of L2 pages.
-
-Every store call has a deadline; a failure becomes a miss and a count in ``failures``, never a request error, and
-a store error skips calls for ``down_for_s``. Event loop only; I/O and record checks run in threads.
+"""The L3 tier as the cache sees it: prefetch into L2 pages, background backup out of L2 pages. A store
+failure is a counted miss, never a request error. Event loop only; I/O and record checks run in threads.
 """
 from __future__ import annotations
 
