@@ -35,7 +35,9 @@ system-deps:
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-test-all:
+# Everything, slow suites included; the lm-eval test needs the eval extra, installed here only.
+test-all: setup
+	$(PY) -m pip install --quiet -e '.[eval]'
 	$(MAKE) test PYTEST_ARGS=""
 
 # Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.

@@ -42,6 +42,7 @@ def evaluate(url: str, tokenizer: Path) -> dict:
 
 @pytest.mark.slow  # two deployments of the real model and ~140 requests: about two minutes here
 def test_lm_eval_scores_through_up_equal_the_colocated_workers(tmp_path, tokenizer_dir, monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is in the eval extra, which make test-all installs")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(REPO)  # the tasks name their data files from the repository root
     router, prefill, decode = (free_port() for _ in range(3))
