@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from decode_worker.core.request import RequestError
@@ -112,6 +113,8 @@ class GrammarCompiler:
                 raise GrammarError(f"unknown grammar kind {kind!r}")
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
             raise GrammarError(f"cannot compile the {kind}: {_NOISE.sub('', str(e)).strip()}") from None
+        if not _allows_any(compiled, self.vocab_size):  # e.g. root ::= root, or {"anyOf": []}
+            raise GrammarError(f"the {kind} matches no output at all")
         return CompiledGrammar(kind, text, compiled)
 
     def _compiler(self) -> Any:
@@ -172,4 +175,25 @@ def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> BatchMask |
     bits = xgr.allocate_token_bitmask(len(grammars), vocab_size)
     filler = xgr.BatchGrammarMatcher(max_threads=1)  # about a microsecond to make: one per call, no shared state
     filler.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bits, rows)
+    for i, stuck in zip(rows, (bits[rows] == 0).all(dim=1).tolist()):
+        if stuck:  # a state with no way on: let the row end, which advance() then reports as a dead end
+            _allow(bits, i, grammars[i].matcher.stop_token_ids)
     return BatchMask(rows, bits)
+
+
+def _allows_any(compiled: Any, vocab_size: int) -> bool:
+    """Whether a grammar's start allows any token at all (end-of-sequence included)."""
+    import xgrammar as xgr
+
+    bits = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bits)
+    return bool(bits.any())
+
+
+def _allow(bits: torch.Tensor, row: int, tokens: list[int]) -> None:
+    """Set ``tokens``' bits in ``row`` (int32 words: bit 31 is the sign); every token's when there are none."""
+    words = bits[row].numpy().view(np.uint32)
+    if not tokens:
+        words[:] = np.uint32(0xFFFFFFFF)
+    for t in tokens:
+        words[t // 32] |= np.uint32(1 << (t % 32))

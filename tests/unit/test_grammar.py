@@ -235,3 +235,38 @@ def test_a_decode_worker_replays_prefill_first_token_into_the_grammar(llm, tiny_
         assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(ids)), llm.tokenizer.decode(ids)
     else:
         assert ids == [token] and reason["message"].startswith(f"grammar dead end: token {token} is not allowed")
+
+
+STUCK = 'root ::= "a" dead | "b"\ndead ::= dead'  # after "a" no token can follow, not even end-of-sequence
+
+
+def test_a_grammar_that_matches_nothing_is_refused(llm):
+    with pytest.raises(ValueError, match="^ebnf: the ebnf matches no output at all"):
+        GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(SamplingParams(ebnf="root ::= root"))
+
+
+def test_a_row_stuck_in_its_grammar_may_only_end_and_ends_as_a_dead_end(llm):
+    import xgrammar as xgr
+
+    vocab, eos = llm.config.vocab_size, llm.tokenizer.eos_token_ids[0]
+    row = RowGrammar(GrammarCompiler(llm.tokenizer, vocab).compile_now(SamplingParams(ebnf=STUCK)), "ebnf")
+    seq = Sequence("r", [1], SamplingParams())
+    seq.output_ids = llm.tokenizer.encode("a")
+    row.advance(seq)
+    raw = xgr.allocate_token_bitmask(1, vocab)
+    row.matcher.fill_next_token_bitmask(raw)
+    assert not raw.any(), "xgrammar allows something here after all: the guard is not what this tests"
+    mask = fill_mask([None, row], vocab)
+    assert [t for t in range(vocab) if int(mask.bits[1, t // 32]) >> (t % 32) & 1] == [eos]
+    out = sample(torch.randn(2, vocab), [SamplingParams(temperature=1.0)] * 2, [None, None], mask=mask)
+    assert out.token_ids[1] == eos
+    seq.output_ids.append(eos)
+    row.advance(seq)
+    assert seq.finish_reason["type"] == "abort" and seq.finish_reason["message"].startswith("grammar dead end")
+
+
+def test_rows_that_get_stuck_end_without_failing_the_batch(llm):
+    outs = llm.generate(["a"] * 7, sampled(6, ebnf=STUCK) + [SamplingParams(max_new_tokens=5, temperature=0)])
+    for out in outs[:6]:
+        assert (out.text, out.finish_reason["type"]) in {("a", "abort"), ("b", "stop")}, out
+    assert len(outs[6].output_ids) == 5
