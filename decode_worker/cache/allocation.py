@@ -1,5 +1,5 @@
 """Allocation apart from reuse: the L1 and L2 page allocators and the pages between owners (drains, L2 pages
-lent to a prefetch). It counts pages and never sees a node; what to evict is the cache's decision.
+lent to a prefetch). It never sees a node.
 """
 from __future__ import annotations
 

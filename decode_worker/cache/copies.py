@@ -1,5 +1,5 @@
-"""The bookkeeping of copies in flight between L1 and L2, in submission order (the order the engine runs and
-the cache applies them in). It changes no node's tiers: applying an outcome is ``HierarchicalCache``'s job.
+"""Copies in flight between L1 and L2, in submission order (the order the engine runs and the cache applies
+them in). Applying an outcome to the tree is ``HierarchicalCache``'s job.
 """
 from __future__ import annotations
 

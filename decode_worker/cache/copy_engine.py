@@ -90,8 +90,8 @@ class CopyEngine:
 
 def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
                     non_blocking: bool = False) -> None:
-    """``dst[dst_pages] = src[src_pages]``, one plain copy per run of consecutive pages (a page is one dense
-    block); with ``non_blocking``, between CUDA and pinned host buffers, one DMA per run on the current stream."""
+    """``dst[dst_pages] = src[src_pages]``, one plain copy per run of consecutive pages (one DMA each with
+    ``non_blocking`` between CUDA and pinned host buffers)."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination")
     s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -112,9 +112,8 @@ class _Slot:
 
 
 class Staging:
-    """Two host slots paired with device memory, allocated once and pinned in place; copies alternate slots
-    chunk by chunk so the host gathers one while the device moves the other. ``stream=None`` runs the same steps
-    synchronously (CPU tests)."""
+    """Two pinned host slots paired with device memory, allocated once; copies alternate slots chunk by chunk.
+    ``stream=None`` runs the same steps synchronously (CPU tests)."""
 
     def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: "torch.cuda.Stream | None"):
         self.page_bytes = prod(device_buffer.shape[1:]) * device_buffer.element_size()

@@ -1,6 +1,5 @@
 """What a caller of the cache holds: a read-only ``MatchResult``, a ``LoadHandle`` (a locked prefix and its
-pages) and ``LoadBackError``. A handle applies finished copies through one callback, ``settle``; it never reaches
-into the cache.
+pages, settling copies through one callback) and ``LoadBackError``.
 """
 from __future__ import annotations
 

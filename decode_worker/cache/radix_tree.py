@@ -1,6 +1,5 @@
-"""Page-granular radix tree over packed token keys: structure, tiers, lock refs, access stats, and the page
-counts and evictable leaves the budget checks read without a walk. Allocators, copies and policies are
-``HierarchicalCache``'s business.
+"""Page-granular radix tree over packed token keys: structure, tiers, locks, access stats, and the page
+counts and evictable leaves budget checks read without a walk.
 """
 from __future__ import annotations
 

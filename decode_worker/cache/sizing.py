@@ -1,5 +1,4 @@
-"""Size the L1 and L2 pools from the flags and refuse at start, with a clear message, what would not fit
-(rather than an OOM kill or a pinning error mid-serving).
+"""Size the L1 and L2 pools from the flags, refusing at start with a clear message what would not fit.
 """
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ def _lru(node: TreeNode) -> tuple:
 
 @dataclass(frozen=True)
 class EvictionOrder:
-    """``rank``: least worth keeping first, a key that only grows with use. ``partial``: a victim gives up only
-    the pages still needed (its tail), so a shared prefix is never evicted whole for a few pages."""
+    """``rank``: least worth keeping first, a key that only grows with use. ``partial``: a victim gives up
+    only the pages still needed (its tail), so a shared prefix is not evicted whole for a few pages."""
 
     policy: EvictionPolicy
     rank: RankKey
@@ -63,8 +63,8 @@ class EvictionOrder:
 
 
 def eviction_order(policy: EvictionPolicy) -> EvictionOrder:
-    """SLRU: never-hit nodes, then hit ones, least recent first within each, victims cut to what is needed;
-    LRU; LFU (least hit, then least recent). The last two give up whole leaves."""
+    """SLRU: never-hit nodes, then hit ones, least recent first, victims cut to what is needed; LRU; LFU
+    (least hit, then least recent). The last two give up whole leaves."""
     if policy == EvictionPolicy.SLRU:
         return EvictionOrder(policy, _slru, partial=True)
     if policy == EvictionPolicy.LFU:

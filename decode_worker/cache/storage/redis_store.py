@@ -1,6 +1,5 @@
-"""Redis / Valkey backend: one string per page (``dwkv:<page key>``), shared by every pod on the server. The
-server owns the size cap (``maxmemory`` with ``allkeys-lru``); the client never retries (the tier's deadline and
-circuit decide).
+"""Redis / Valkey backend: one string per page, ``dwkv:<page key>``, shared by every pod on the server (setup:
+docs/architecture.md, "L3 stores"). No retries: the tier's deadline and circuit decide.
 """
 from __future__ import annotations
 

@@ -50,9 +50,8 @@ def _host_bytes(pool: KVPool) -> np.ndarray:
 
 
 class Prefetch:
-    """An L3 -> L2 prefetch in flight. ``arrived`` (leading pages written and verified) only grows, and once
-    ``stop()`` returns nothing more is written, so the caller may commit those pages and free the rest. A cancel
-    alone is not enough (it can be lost inside ``asyncio.wait_for``): the fetch checks ``stopped`` itself."""
+    """An L3 -> L2 prefetch in flight. ``arrived`` (leading pages written and verified) only grows; once
+    ``stop()`` returns nothing more is written (the fetch checks ``stopped`` itself: a cancel can be lost)."""
 
     def __init__(self, keys: list[str], fetch: Callable[[Prefetch], Coroutine]):
         """``fetch(self)``: the coroutine that writes the pages and counts them in ``arrived``."""
