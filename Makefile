@@ -45,7 +45,7 @@ mutation: setup
 	$(VENV)/bin/mutmut run --max-children 2; $(VENV)/bin/mutmut results
 
 bench: setup
-	$(PY) bench/bench_decode.py
+	$(PY) benchmarks/bench_decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis mutants

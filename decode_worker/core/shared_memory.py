@@ -10,7 +10,7 @@ the owner chose beyond what it reads.
 
 A peer copies pages out of the mapping with memcpy. UCX between processes on one host falls back to CMA
 (``process_vm_readv``) without xpmem, which pins every 4 KB page it copies and takes ~3x as long
-(``bench/bench_transfer.py``).
+(``benchmarks/bench_transfer.py``).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ takes 0.25 ms alone), and the request would wait for it.
 
 Progress is driven by our calls (no NIXL progress thread: it would spin on one of two cores). Over shared memory
 UCX copies with CMA inside the post call itself, so a read of ``INLINE_BYTES`` or more is posted from a copy thread
-and the event loop keeps serving. Measured with ``bench/bench_transfer.py``.
+and the event loop keeps serving. Measured with ``benchmarks/bench_transfer.py``.
 
 A peer on the same host whose pool is shared is mapped read-only once (its file comes over a Unix socket, off the
 event loop: ``transfer/pool_share.py``; on any failure it is read over NIXL), and its pages are copied out with

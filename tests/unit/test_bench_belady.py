@@ -1,4 +1,4 @@
-"""The Belady bound of ``bench/bench_cache.py`` on a trace small enough to work out by hand."""
+"""The Belady bound of ``benchmarks/bench_cache.py`` on a trace small enough to work out by hand."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_cache.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cache.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``bench/gpu_probe.py``: every section runs here on CPU with tiny shapes (Triton under its interpreter) as it
+"""``tests/gpu/gpu_probe.py``: every section runs here on CPU with tiny shapes (Triton under its interpreter) as it
 would on a bare CUDA machine (the project not installed, none of the server stack importable), each writes one
 JSON line, and a section that fails, crashes or hangs never stops the next."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "bench" / "gpu_probe.py"
+PROBE = ROOT / "tests" / "gpu" / "gpu_probe.py"
 spec = importlib.util.spec_from_file_location("gpu_probe", PROBE)
 gpu_probe = sys.modules["gpu_probe"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
 spec.loader.exec_module(gpu_probe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.bench_sampling import per_row_sample
+from benchmarks.bench_sampling import per_row_sample
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.model import sampler
 from decode_worker.model.sampler import Shaping, make_generator, sample

@@ -1,11 +1,11 @@
 """First-GPU-run probe: what the CPU tests cannot show, in one short run on a bare CUDA machine.
 
-    timeout 540 python3 bench/gpu_probe.py --out DIR/probe.jsonl
+    timeout 540 python3 tests/gpu/gpu_probe.py --out DIR/probe.jsonl
 
 Each section runs in its own process with its own time limit and writes one JSON line (``section``, ``status``:
 ok | failed | error | crashed | timeout | skipped, its figures, ``seconds``), so a section that fails, hangs or
 poisons its CUDA context never stops the next; lines are written as sections end, so a run cut short keeps what
-it measured. The sections (in ``bench/probe/``, in this order, the whole run within ``--budget-s``):
+it measured. The sections (in ``tests/gpu/probe/``, in this order, the whole run within ``--budget-s``):
 
 - ``env``: Python, torch, the device, which optional packages import (NIXL says why when it does not).
 - ``kernel_parity``: every Triton kernel against its torch reference at serving geometries, fp32 and bf16, a
@@ -40,15 +40,15 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+HERE = Path(__file__).resolve().parent  # the sections import as probe.<module> from here
+ROOT = HERE.parents[1]  # the repository
 MIN_SECTION_S = 20  # a section is not started with less of the budget left
 
 
 @dataclass(frozen=True)
 class Section:
     name: str
-    module: str  # in bench/probe/
+    module: str  # in tests/gpu/probe/
     limit_s: int
     function: str = ""  # default: the section's name
     env: dict[str, str] = field(default_factory=dict)
@@ -75,7 +75,7 @@ def run_here(section: Section, tiny: bool) -> dict:
     """Child side: run one section in this process; any exception becomes an ``error`` line."""
     import importlib
 
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(HERE))
     start = time.monotonic()
     try:
         module = importlib.import_module(f"probe.{section.module}")

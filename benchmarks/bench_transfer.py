@@ -31,7 +31,7 @@ before this one, moved ``2 * layers`` runs of 12 KB or 4 KB per page.)
 The staged path this replaced (gather into a buffer, UCX send, scatter) measured 0.07 / 0.21 / 0.26 of memcpy at
 1 / 16 / 64 MB with the ``bf16_4k`` layout; it is gone, so it is not re-run here.
 
-    python bench/bench_transfer.py [--reps 10]
+    python benchmarks/bench_transfer.py [--reps 10]
 
 Prints one JSON line.
 """

@@ -5,7 +5,7 @@ Prints one JSON line: per dtype, decode tokens/s of both and their ratio per bat
 and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first token; transformers: one
 forward). Medians of ``--repeats`` alternating runs.
 The machine's load average (start and end) goes in the line too: absolute figures move with it, ratios less.
-Usage: python bench/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
+Usage: python benchmarks/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """SGLang's own ``RadixCache`` and paged allocator, loaded for ``bench_cache.py`` from the PyPI wheel's source.
 
 A benchmark-only yardstick, never a runtime dependency: the wheel is fetched once with ``pip download --no-deps``
-into ``bench/.cache/sglang/`` (git-ignored), and only the handful of pure-Python modules the cache path runs are
+into ``benchmarks/.cache/sglang/`` (git-ignored), and only the handful of pure-Python modules the cache path runs are
 executed from it (``radix_cache``, ``base_prefix_cache``, ``evict_policy``, ``cache_init_params``, the allocator's
 ``base`` and ``paged``). Their other imports (Triton kernels, metrics, KV events, server args) are replaced by
 inert stubs: the benchmark runs with metrics and KV events off, and uses only ``alloc``/``free_segments``, so no

@@ -7,7 +7,7 @@ bytes. For each backend (a folder in a temporary directory; a redis-server start
 ``backup()`` call holds the event loop (its copy out of L2), and the longest event-loop stall while the backup is
 stored and the prefetch runs (the tier must keep the loop free). Prints one JSON line.
 
-    .venv/bin/python bench/bench_storage.py [--pages 64] [--redis-url redis://host:port]
+    .venv/bin/python benchmarks/bench_storage.py [--pages 64] [--redis-url redis://host:port]
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ insert, release) against SGLang's own ``RadixCache`` and paged allocator (loaded
 unbounded: requests per second as medians of alternating runs in this one process, with both hit rates and the
 Belady bound of the same trace.
 
-    .venv/bin/python bench/bench_cache.py [--quick] [--vs-sglang-only] [--skip-l3]
+    .venv/bin/python benchmarks/bench_cache.py [--quick] [--vs-sglang-only] [--skip-l3]
 """
 from __future__ import annotations
 

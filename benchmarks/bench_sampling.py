@@ -1,7 +1,7 @@
 """Sampler micro-benchmark: the batched sampler against the per-row sampler it replaced, same logits and params.
 
 Prints one JSON line: the best milliseconds per step of both and their ratio (new / old) per batch size and mode.
-Usage: python bench/bench_sampling.py [--batches 64 256] [--vocab 49152] [--repeats 5]
+Usage: python benchmarks/bench_sampling.py [--batches 64 256] [--vocab 49152] [--repeats 5]
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ write-through policy queues one per request it caches, with a short gap between 
 Set against prefill's compute per token (`decode-worker bench --link` reports it), these say what share of a
 core's time the backups take from the forward where both run on the same cores.
 
-    .venv/bin/python bench/bench_backup.py [--repeats 200]
+    .venv/bin/python benchmarks/bench_backup.py [--repeats 200]
 """
 from __future__ import annotations
 

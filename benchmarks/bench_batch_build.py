@@ -6,7 +6,7 @@ Both run on the same steady decode: every request gains a token a step and a pag
 place, as the scheduler grows them. Per case: median ms of each over ``--steps`` steps, their ratio, the rows'
 first step (every row filled whole, once per request) and the gather alone (what the rows add per step).
 Prints one JSON line.
-Usage: python bench/bench_batch_build.py [--batches 64 256] [--contexts 4096] [--steps 64] [--device cpu]
+Usage: python benchmarks/bench_batch_build.py [--batches 64 256] [--contexts 4096] [--steps 64] [--device cpu]
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 GB = 1e9
 
 # (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, rope_theta, tied) of the shapes the probe uses

@@ -196,13 +196,13 @@ def median_ms(seconds: list[float]) -> float:
 
 
 def sampling(tiny: bool) -> dict:
-    """The batched sampler against the per-row one it replaced (``bench/bench_sampling.py``): wall ms per call,
+    """The batched sampler against the per-row one it replaced (``benchmarks/bench_sampling.py``): wall ms per call,
     read-back included (it is where the host waits)."""
     from decode_worker.model.sampler import sample
 
     device = device_of(tiny)
     batches, vocab, repeat = ((4,), 500, 2) if tiny else ((64, 256), 49152, 10)
-    spec = importlib.util.spec_from_file_location("bench_sampling", ROOT / "bench" / "bench_sampling.py")
+    spec = importlib.util.spec_from_file_location("bench_sampling", ROOT / "benchmarks" / "bench_sampling.py")
     baseline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(baseline)
     out = {}
