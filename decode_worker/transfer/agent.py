@@ -1,23 +1,7 @@
-"""The PD data plane: one NIXL agent per worker, its KV pool registered once, pages read straight from a peer's pool.
+"""This worker's NIXL agent over its KV pool: peers, page reads into our own pages, notifications.
 
-Decode READs the delta pages from prefill's registered pool into its own pool pages: no staging buffer and no
-gather/scatter copy on either side, and only decode's own agent ever writes decode's pages, so a prefill that dies
-mid-transfer cannot leave a late write behind. A peer's metadata is loaded and its page descriptors prepared once
-(``add_peer``; ``load_peer`` does that work on a thread of its own, so a new peer never stalls the event loop);
-each transfer then names pages by index (``transfer/descriptors.py``). The peer learns that its
-pages were read from a notification sent after the read (``notify``), not one attached to it: an attached one
-makes the read complete only after a round trip through the peer's progress (~2 ms here for a 1 MB read that
-takes 0.25 ms alone), and the request would wait for it.
-
-Progress is driven by our calls (no NIXL progress thread: it would spin on one of two cores). Over shared memory
-UCX copies with CMA inside the post call itself, so a read of ``INLINE_BYTES`` or more is posted from a copy thread
-and the event loop keeps serving. Measured with ``benchmarks/bench_transfer.py``.
-
-A peer on the same host whose pool is shared is mapped read-only once (its file comes over a Unix socket, off the
-event loop: ``transfer/pool_share.py``; on any failure it is read over NIXL), and its pages are copied out with
-memcpy instead: CMA pins every 4 KB page it copies and takes ~3x as long. Only our own copy
-writes our pages on that path too, and once the peer's process exits its mapping is dropped, so reads fail as
-``peer_lost`` exactly as over NIXL. ``DECODE_WORKER_PD_SHARED_MEMORY=off`` keeps every read on NIXL.
+Only our agent, or our copy out of a same-host peer's read-only mapping, writes our pages; no NIXL progress thread
+runs (it would spin a core). Design and costs: docs/architecture.md, "The PD protocol".
 """
 from __future__ import annotations
 
@@ -125,9 +109,8 @@ class KVAgent:
         return self._register(pool, *self._prepare(metadata, pool))
 
     async def load_peer(self, metadata: bytes, pool: PoolDescriptor, timeout_s: float) -> Peer:
-        """``add_peer`` with its NIXL work on the ``kv-peer`` thread, waited for at most ``timeout_s``
-        (``TimeoutError``). A load that ends later still keeps the peer, and handshakes that arrive meanwhile wait
-        for the same load."""
+        """``add_peer`` on the ``kv-peer`` thread, waited for at most ``timeout_s`` (``TimeoutError``); a late load
+        still keeps the peer, and handshakes meanwhile share it."""
         if (peer := self._peers.get(pool.agent)) is not None:
             return peer
         if (task := self._loading.get(pool.agent)) is None:
@@ -168,7 +151,7 @@ class KVAgent:
             self.agent.remove_remote_agent(name)
 
     def _map(self, peer: Peer) -> None:
-        """Start asking for a same-host peer's pool (off the loop, under a deadline); until mapped it is read over NIXL."""
+        """Start asking for a same-host peer's pool off the loop; until mapped it is read over NIXL."""
         region = peer.pool.shared
         if region is None or "VRAM" in (peer.pool.mem, self.pool.mem) or not self._map_peers:
             return
@@ -179,8 +162,7 @@ class KVAgent:
                                     lambda mapped, why: self._attach(peer, mapped, why))
 
     def _attach(self, peer: Peer, mapped: MappedRegion | None, why: str) -> None:
-        """Give the peer its mapping, watched so that it goes as soon as the peer exits (it would otherwise keep a
-        dead worker's whole pool in memory); or log why it is read over NIXL."""
+        """Give the peer its mapping, dropped when the peer exits; or log why it is read over NIXL."""
         if mapped is None:
             logger.warning("peer %s shares its KV pool on this host, but it is read over NIXL: %s", peer.name, why)
         elif self._peers.get(peer.name) is not peer:  # dropped while its pool was asked for
@@ -194,10 +176,8 @@ class KVAgent:
                 pass
 
     async def _connect(self, room: int, peer: Peer, deadline: float) -> bool:
-        """Read the peer's page 0 into a private page once, before the first copy from its mapping, so the
-        connection is up for the release notification that follows: UCX connects lazily, and a notification sent
-        before that waits for our next progress call, which a mapped peer's reads never make (prefill would then
-        hold the pages until its lease ran out)."""
+        """Read the peer's page 0 into a scratch page once before copying from its mapping: UCX connects lazily,
+        and the release notification would otherwise wait for a progress call that mapped reads never make."""
         if self._scratch is None:
             page = torch.empty(self.pool.page_bytes, dtype=torch.uint8)
             self._scratch = (page, self.agent.register_memory([page]),
@@ -225,13 +205,10 @@ class KVAgent:
         peer.mapped = None
 
     async def read(self, room: int, peer: Peer, into: list[int], source: list[int], deadline: float) -> None:
-        """Copy ``peer``'s pool pages ``source`` into our pages ``into``, all of them before ``deadline``.
+        """Copy ``peer``'s pages ``source`` into our pages ``into``, landing before ``deadline`` (``time.monotonic()``,
+        while the peer holds them), or raise ``TransferError``; ``ValueError`` for a page outside a pool.
 
-        ``deadline`` is a ``time.monotonic()`` time by which the peer still holds the pages (``pd/decode.py``). A
-        read counts only if its last byte landed before it: the clock is read after the copy ends, on the thread
-        that copied, and a read still queued for the copy thread at the deadline never starts. Raises
-        ``TransferError`` (timeout: not provably copied in time; peer_lost: the peer's pages cannot be read, or the
-        peer was dropped). Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
+        Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
         """
         if len(into) != len(source) or peer.pool.page_bytes != self.pool.page_bytes:
             raise TransferError(room, "size_mismatch", f"{len(source)} pages of {peer.pool.page_bytes} bytes into "
@@ -274,9 +251,8 @@ class KVAgent:
                                                          "written and must never be reused")
 
     async def _in_time(self, room: int, deadline: float, inline: bool, work: Callable[..., T], *args) -> T:
-        """``work(*args)`` (a copy or a post) on the loop when ``inline``, else on the copy thread; its result only
-        if it started and ended before ``deadline``. A job still queued at the deadline is dropped, so it never
-        writes; one already running is waited for (it copies at memory speed) before the read fails."""
+        """``work(*args)`` on the loop (``inline``) or the copy thread; its result only if it ran wholly before
+        ``deadline``. Still queued then, it never runs; running, it is waited for."""
         job = DeadlineJob(deadline)
         if inline:
             return self._checked(room, job, job.run(work, *args))
@@ -306,7 +282,8 @@ class KVAgent:
         return result
 
     def notify(self, peer: str, message: bytes) -> bool:
-        """A notification outside a transfer; False when the peer is gone."""
+        """A notification outside a transfer (one attached to a read would delay its completion by a round trip
+        through the peer's progress); False when the peer is gone."""
         try:
             self.agent.send_notif(peer, message)
             return True
@@ -332,8 +309,8 @@ class KVAgent:
             self.agent.deregister_memory(self._scratch[1])
 
     def _copy_mapped(self, theirs: torch.Tensor, into: list[int], source: list[int]) -> None:
-        """Copy pages out of a peer's mapped pool, one memmove per run of pages consecutive on both sides: ~1 us a
-        call against ~4 us for ``copy_``, which may also wake torch's thread pool. Both page lists are checked."""
+        """Copy pages out of a peer's mapped pool (indices checked by ``read``), one memmove per run consecutive on
+        both sides: cheaper than ``copy_``, which may also wake torch's thread pool."""
         size, ours, base = self.pool.page_bytes, self._buffer.data_ptr(), theirs.data_ptr()
         start, n = 0, len(into)
         while start < n:
@@ -358,9 +335,8 @@ class KVAgent:
             return "ERR"
 
     async def _retire(self, room: int, handle, state: str) -> bool:
-        """Release the transfer. One still in progress is cancelled; one that cannot be is waited for (up to
-        ``RETIRE_S``), since its pages may not be reused while it can still write into them. False when it could
-        not be stopped: the caller must then never give those pages back."""
+        """Release the transfer, cancelling it or waiting up to ``RETIRE_S`` for its end. False when it could not be
+        stopped: the caller must never give those pages back."""
         for _ in range(int(RETIRE_S / POLL_S)):
             try:
                 handle.release()

@@ -1,6 +1,5 @@
-"""Work that must end before a deadline, and waiting for work that cannot be stopped: the two rules a KV read
-lives by (``transfer/agent.py``): bytes count only if copied while the peer held them, and pages stay ours until
-nothing writes into them any more."""
+"""The two rules a KV read lives by: bytes count only if copied before the deadline (while the peer held them),
+and pages stay ours until nothing writes into them any more."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +12,8 @@ from typing import TypeVar
 
 
 async def run_to_the_end(work: asyncio.Future, limit_s: float | None = None):
-    """Await ``work`` to its end even when cancelled meanwhile (then raise ``CancelledError`` after it). With
-    ``limit_s``, raise ``TimeoutError`` if it has not ended after that long, cancelled or not: it goes on, and
-    the caller must treat what it writes as never ending."""
+    """Await ``work`` to its end even if cancelled meanwhile (then raise ``CancelledError``). With ``limit_s``,
+    raise ``TimeoutError`` once it ran that long: it goes on, and what it writes must be treated as never ending."""
     cancelled = False
     give_up = None if limit_s is None else time.monotonic() + limit_s
     while not work.done():
@@ -38,10 +36,8 @@ T = TypeVar("T")
 
 @dataclass(eq=False)
 class DeadlineJob:
-    """One copy or post that must start and end before ``deadline`` (``time.monotonic()``). The copy thread
-    starts it only if the loop has not dropped it and the deadline has not passed, and stamps ``ended`` after its
-    last byte, so a result whose stamp is within the deadline proves the bytes were copied while the peer held
-    them."""
+    """One copy or post that must start and end before ``deadline`` (``time.monotonic()``): it starts only if not
+    dropped and in time, and stamps ``ended`` after its last byte, so a stamp within the deadline proves it."""
 
     deadline: float
     started: bool = False

@@ -1,12 +1,5 @@
-"""How a registered KV pool is addressed page by page, on our side and on a peer's.
-
-A pool is page-major (``buffer[page, ...]``, see ``cache/pool.py``): one page, every layer with K and V, is one
-contiguous run of ``page_bytes``, so the pool's descriptor list is one descriptor per page, in page order. The pool
-is registered once as one region and its list prepared once per side: a transfer then names pages by index only,
-one descriptor each, and the transfer library merges consecutive pages into one copy. A pool a peer on the same
-host can map says how to ask for it (``transfer/pool_share.py``), so that peer copies its pages without the
-library.
-"""
+"""How a registered, page-major KV pool (``cache/pool.py``) is addressed, ours and a peer's: one descriptor per
+page, prepared once per side, so a transfer names pages by index."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -43,8 +36,7 @@ class PoolDescriptor:
 
     @classmethod
     def from_dict(cls, d: dict) -> PoolDescriptor:
-        """A peer's descriptor; a ``shared`` region that is present must be well formed (``ValueError`` names the
-        field), and one that is absent or null means the peer does not share its pool."""
+        """A peer's descriptor; a ``shared`` region, unless null, must be well formed (``ValueError`` names the field)."""
         shared = d.get("shared")
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k != "shared"},
                    shared=None if shared is None else SharedRegion.from_dict(shared))
@@ -58,9 +50,8 @@ class PoolDescriptor:
         return rows
 
     def indices(self, pages: list[int]) -> list[int]:
-        """Rows of ``table()`` holding ``pages``: the pages themselves, checked; two pools' lists for the same
-        number of pages pair up row by row. A plain list, as NIXL takes it: building a numpy array first costs
-        more than the rest of preparing a one-page read (~70 of ~350 us with cold caches)."""
+        """Rows of ``table()`` holding ``pages``: the indices themselves, checked (``ValueError``), as the plain list
+        NIXL takes (building an array would cost more than the rest of a small read's set-up)."""
         if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
             raise ValueError(f"page index outside the {self.num_pages}-page pool")
         return pages

@@ -1,17 +1,7 @@
-"""Handing a shared KV pool to a peer on the same host: its file descriptor over a Unix socket, never a path.
+"""Handing a shared KV pool to a same-host peer: its file descriptor over an abstract Unix socket, never a path,
+only to a process of the owner's uid holding the key, and checked before it is mapped read-only.
 
-The pool's owner (a prefill worker) listens on an abstract Unix socket whose name is its pid and a random id
-(``PoolServer``). Its pool descriptor, sent only in handshake answers, carries that id, a random key and the
-pool's size (``SharedRegion``). A peer (a decode worker) that finds the same boot id derives the name itself,
-connects, checks with ``SO_PEERCRED`` that the process at the other end is the pid the descriptor names and runs
-under its own uid, sends the key, and receives the descriptor with ``SCM_RIGHTS`` (``receive_pool``). It checks the
-file (``core/shared_memory.py``'s ``check_memory_file``) and maps it read-only. The owner sends the file only to a
-process of its own uid that presents the key, so a local process that never got a handshake answer cannot pull it.
-
-Abstract sockets live in a network namespace and ``SO_PEERCRED`` reports pids as the receiver's PID namespace
-sees them: peers in different namespaces fail to connect, or fail the pid check, and read over NIXL instead.
-Every step has a deadline; ``receive_pool`` blocks for at most its timeout, so callers on an event loop run it in a
-thread.
+What each check guards: docs/security.md, "Sharing the pool safely".
 """
 from __future__ import annotations
 
@@ -61,8 +51,8 @@ def socket_name(pid: int, socket_id: str) -> bytes:
 
 @dataclass(frozen=True)
 class SharedRegion:
-    """How a peer on this host asks for a shared pool (plain values, JSON-safe: it travels in the handshake answer).
-    ``key`` is a secret: it stays out of ``repr`` and logs."""
+    """How a peer on this host asks for a shared pool (JSON-safe, sent in the handshake answer); ``key`` is a secret
+    kept out of ``repr`` and logs."""
 
     host: str  # boot id
     pid: int  # the owner's
@@ -104,10 +94,8 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 
 class PoolServer:
-    """Serves the owner's sealed pool file to peers of its uid that present the key, from a thread of its own.
-
-    ``region`` is what the pool descriptor announces. The server keeps its own duplicate of the file descriptor,
-    so it never sends a number the pool's owner closed and the process reused."""
+    """Serves the sealed pool file, from its own thread, to peers of our uid that present the key. It sends its own
+    duplicate descriptor, never a number the owner closed and the process reused."""
 
     def __init__(self, shared: SharedFile):
         self._fd = os.dup(shared.fd)
@@ -221,8 +209,7 @@ class PoolServer:
 
 
 def serve_pool(shared: SharedFile) -> PoolServer | None:
-    """A server handing our pool to peers on this host; None, logged, where the host refuses one (peers then read
-    it over NIXL)."""
+    """Our pool's server; None, logged, where the host refuses one (peers then read over NIXL)."""
     try:
         return PoolServer(shared)
     except OSError as e:
@@ -232,9 +219,8 @@ def serve_pool(shared: SharedFile) -> PoolServer | None:
 
 def ask_for_pool(region: SharedRegion, num_pages: int, page_bytes: int,
                  done: Callable[[MappedRegion | None, str], None]) -> asyncio.Task | None:
-    """Ask for ``region``'s pool (``receive_pool``, at most ``MAP_TIMEOUT_S``) and hand ``done`` the mapping or why
-    not: from a thread under a running loop, which never waits (the task is returned: ``settled`` waits for it);
-    here and now without a loop."""
+    """Ask for ``region``'s pool and hand ``done`` the mapping or why not: on a thread under a running loop (the
+    task is returned, for ``settled``), here and now without one."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -270,9 +256,8 @@ async def settled(asking: asyncio.Task | None, deadline: float) -> None:
 
 def receive_pool(region: SharedRegion, num_pages: int, page_bytes: int, timeout_s: float,
                  uid: int | None = None) -> tuple[MappedRegion | None, str]:
-    """Ask the owner of ``region`` for its pool of ``num_pages`` pages of ``page_bytes`` and map it read-only:
-    ``(mapping, "")``, or ``(None, why not)``. The sender must be the pid ``region`` names and run as ``uid``
-    (default ours). Blocks for at most ``timeout_s``: run it off an event loop."""
+    """Ask the owner of ``region`` for its pool and map it read-only: ``(mapping, "")`` or ``(None, why not)``. The
+    sender must be the pid ``region`` names, running as ``uid`` (default ours). Blocks up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     uid = os.getuid() if uid is None else uid
     if region.host != boot_id():
