@@ -1,8 +1,6 @@
 """Paged attention over the KV pool: batched decode through the page table, extend per request.
 
-Every layer of a step writes and reads the same token slots, and every layer's page view has the same strides,
-so the indices are worked out once per step (``StepPlan``), not once per layer: on CPU, where each small op costs
-microseconds of dispatch, that is most of the attention's time at small batches.
+The indices are worked out once per step (``StepPlan``), not per layer: on CPU small-op dispatch dominates.
 """
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ from decode_worker.model.forward_batch import ForwardBatch
 
 @dataclass
 class StepPlan:
-    """One step's indices, shared by every layer, K and V.
-
-    ``write_rows``: rows of ``slot_rows`` the new tokens' K/V go to. Extend: ``context_rows``, every request's
-    context back to back. CPU decode: ``pages``, each request's first pages flat ``[B * P]``, and ``visible``
-    ``[B, 1, 1, P * page_size]``, which of those slots hold its tokens (CUDA decode reads the page table in its
-    kernel, without a host sync, so that CUDA graphs can capture it)."""
+    """One step's indices, shared by every layer. ``pages``/``visible`` are for CPU decode only: CUDA decode
+    reads the page table in its kernel, with no host sync, so CUDA graphs can capture it."""
 
     write_rows: torch.Tensor
     context_rows: torch.Tensor | None = None
@@ -56,7 +50,7 @@ def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torc
 
 
 def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of the step's queries ``[T, Hq, D]`` over everything in the pool for each request."""
+    """Attention of queries ``[T, Hq, D]`` over each request's KV in the pool."""
     if not fb.is_decode:
         return _extend_attention(pool, layer, fb, plan, q, scale)
     if plan.pages is None:
@@ -65,8 +59,7 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.
 
 
 def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The CPU decode step: each request's pages gathered into ``[B, Hkv, L, D]`` (``index_select`` on whole pages)
-    and one masked SDPA for the batch, q viewed as ``[B, Hkv, group, D]`` so K/V are never repeated per head."""
+    """CPU decode: pages gathered per request, one masked SDPA, q viewed per GQA group (K/V never repeated)."""
     batch, num_q_heads, head_dim = q.shape
     k_pages, v_pages = pool.k_pages(layer), pool.v_pages(layer)
     kv_heads = k_pages.shape[2]
@@ -80,11 +73,8 @@ def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch
 
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cached prefix plus themselves.
-
-    One gather per layer brings every request's K/V together (``plan.context_rows``, rows of the layer's page
-    view); the loop over requests then only slices, with lengths the host already knows, so no step waits for the
-    device."""
+    """Causal attention of each request's new tokens over its prefix plus themselves; slices use host-known
+    lengths, so no step waits for the device."""
     k_ctx = slot_rows(pool.k_pages(layer))[0].index_select(0, plan.context_rows)  # [sum seq_lens, Hkv, D]
     v_ctx = slot_rows(pool.v_pages(layer))[0].index_select(0, plan.context_rows)
     out = torch.empty_like(q)
@@ -109,10 +99,8 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """New tokens ``q`` ``[1, Hq, E, D]`` over a cached prefix plus themselves, ``k``/``v`` ``[1, Hkv, S, D]``: the
-    causal mask aligned to the bottom right (query ``i`` sees keys up to ``S - E + i``) as a ``CausalBias``, which
-    CUDA's SDPA runs in its flash or memory-efficient kernel; a boolean mask would send it to the math kernel, which
-    materialises ``[Hq, E, S]`` scores. K/V are repeated per query head: those kernels take no GQA."""
+    """``q`` ``[1, Hq, E, D]`` over ``k``/``v`` ``[1, Hkv, S, D]`` with a bottom-right ``CausalBias``: it keeps CUDA SDPA
+    on its fused kernels (a boolean mask falls back to math), which take no GQA, so K/V are repeated per head."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)

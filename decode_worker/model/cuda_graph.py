@@ -1,10 +1,7 @@
-"""CUDA graphs of the decode step, one per padded batch-size bucket: a thin layer over the eager step.
+"""CUDA graphs of the decode step, one per padded batch-size bucket.
 
-Static buffers hold the step's inputs; padded rows write their K/V to scratch page 0 and attend over one
-token, so they never touch a live request's pages. A graph replays fixed addresses and keeps nothing alive
-itself, so every tensor a captured step reads (``logits_indices`` included) is a slice of a buffer this object
-owns for the graphs' life: a temporary freed after capture would be handed to the next allocation, and replay
-would gather rows through whatever was written there.
+Padded rows write to scratch page 0. A graph keeps nothing alive, so every tensor a captured step reads is a
+slice of a buffer owned here for the graphs' life.
 """
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ Step = Callable[[], torch.Tensor]
 
 
 class StepOwner(Protocol):
-    """What the graphs need of the model runner (a Protocol, so this module never imports the runner that
-    imports it)."""
+    """What the graphs need of the runner (a Protocol: no import of the runner)."""
 
     model: Callable[[ForwardBatch, KVPool], torch.Tensor]
     pool: KVPool
@@ -56,8 +52,7 @@ class CudaGraph:
 
 
 class EagerGraph:
-    """CPU stand-in for :class:`CudaGraph`: replay reruns the step on the tensors it was captured with and writes
-    the same output tensor, so bucketing, padding and buffer ownership are testable without a GPU."""
+    """CPU stand-in for :class:`CudaGraph`, so bucketing and buffer ownership are testable without a GPU."""
 
     def __init__(self, step: Step):
         self.step = step
@@ -92,7 +87,7 @@ class DecodeGraphs:
             self._capture(bs)
 
     def buffers(self) -> list[torch.Tensor]:
-        """The tensors every captured step reads its inputs from (besides weights and the KV pool)."""
+        """The input buffers every captured step reads."""
         return [self.input_ids, self.positions, self.out_slots, self.page_table, self.seq_lens, self.logits_indices]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -120,8 +115,7 @@ class DecodeGraphs:
         return fb.batch_size <= self.buckets[-1] and fb.page_table.shape[1] <= self.max_pages
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of ``fb``: a view of the graph's output, valid until the next replay (the forward thread samples
-        from it before the next step; copy it to keep it longer)."""
+        """Logits of ``fb``: a view of the graph's output, valid until the next replay."""
         bs = fb.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
         self.input_ids[:bs].copy_(fb.input_ids)

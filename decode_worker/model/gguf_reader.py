@@ -75,8 +75,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
-    """Yield every tensor under its Hugging Face name: dequantized to float32, or with ``keep_q4`` a Q4_1 layer
-    matrix the int4 kernel can take as ``Q4Blocks`` (the embedding and norms are always dequantized)."""
+    """Every tensor under its Hugging Face name, dequantized to float32; with ``keep_q4``, packable Q4_1 layer
+    matrices as ``Q4Blocks``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().float()
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
-        """The step's rows of the tables, looked up once and shared by every layer."""
+        """The step's table rows, shared by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +92,7 @@ class MLP(nn.Module):
 
 
 class AttentionProjections(nn.Module):
-    """Fused QKV projection + RoPE + output projection; the attention itself is done by the caller's backend."""
+    """Fused QKV projection + RoPE + output projection; attention itself is the caller's."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -106,7 +106,7 @@ class AttentionProjections(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated (in one pass over both), v ``[T, Hkv, D]``."""
+        """q ``[T, Hq, D]``, k ``[T, Hkv, D]`` rotated together, v ``[T, Hkv, D]``."""
         qk, v = self.qkv_proj(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         qk = rope.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)

@@ -49,9 +49,7 @@ class LlamaModel(nn.Module):
 
 
 def _logits(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """``h @ head.T``. One 16-bit row on CPU goes through ``torch.mv``: the vocabulary matrix is the largest read of
-    a batch-1 step, and CPU GEMM kernels take it as a matrix product of one row far slower than the matrix-vector
-    kernel does."""
+    """``h @ head.T``; one 16-bit row on CPU goes through ``torch.mv``, far faster there than a one-row GEMM."""
     if h.shape[0] == 1 and h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float16):
         return torch.mv(head, h[0]).unsqueeze(0)
     return torch.nn.functional.linear(h, head)

@@ -58,8 +58,8 @@ def read_config(path: Path) -> ModelConfig:
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Make parameters in ``dtype`` as they are created: building in fp32 and casting after peaks at 6 bytes per
-    bf16 parameter (an 8B model then needs 48 GB to load). Process-wide, so only while the model is built."""
+    """Create parameters in ``dtype`` (building in fp32 and casting after triples the peak for bf16).
+    Process-wide, so only while the model is built."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -69,8 +69,8 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def keeps_int4(path: Path, dtype: torch.dtype, device: str) -> bool:
-    """Whether ``load_model`` keeps a GGUF's Q4_1 layer weights 4-bit by default: on CPU in a 16-bit dtype.
-    float32 stays the dequantized reference the parity tests compare with transformers."""
+    """Whether a GGUF's Q4_1 weights stay 4-bit by default: on CPU in a 16-bit dtype (float32 stays the
+    dequantized reference for the parity tests)."""
     return path.is_file() and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -99,8 +99,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 
 def _return_freed_memory() -> None:
-    """Hand the loader's freed temporaries (dequantized tensors, dense weights an int4 layer replaced) back to the
-    OS: glibc keeps them in its arenas otherwise, and the worker's resident size stays hundreds of MB higher."""
+    """Hand the loader's freed temporaries back to the OS (glibc keeps them in its arenas otherwise)."""
     import ctypes
     import ctypes.util
 

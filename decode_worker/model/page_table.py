@@ -1,14 +1,7 @@
-"""Persistent page-table rows on the device: a decode step sends only the pages added since the last step.
+"""Page-table rows kept on the device: a decode step sends only the pages added since the last one.
 
-Rebuilding the whole ``[B, max_pages]`` table every step costs milliseconds of host time at batch 256 and 4K
-context (every page of every request packed again). Instead each running request keeps a row of ``table`` for as
-long as it runs (as SGLang's req_to_token pool and vLLM's block table do): a step writes the new
-``(row, column, page)`` triples and gathers the batch's rows on the device.
-
-A row is rewritten from column 0 when the request's page list is a different list object than the one synced;
-otherwise only the list's tail past the synced length is sent. This relies on the scheduler's contract that a
-running request's page list only grows in place (``seq.pages += ...``); any other change assigns a new list.
-A released row is zeroed at once, so a reused row never shows a previous request's pages.
+Contract: a running request's page list only grows in place (``seq.pages += ...``); a new list object rewrites
+its row from column 0.
 """
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ class _Row:
 
 
 class PageTableRows:
-    """Rows of page ids, one per running request key, grown by doubling when every row is taken."""
+    """One row of page ids per running request key; rows double when all are taken."""
 
     def __init__(self, max_pages: int, device: torch.device, capacity: int = 64):
         self.max_pages = max_pages
@@ -51,8 +44,7 @@ class PageTableRows:
         return self._rows[key].index
 
     def release(self, key: str) -> None:
-        """The request left the decode batch (finished, aborted, retracted): zero its whole row (a failed step may
-        have written past what was synced) and free it. A key that holds no row (never decoded) is ignored."""
+        """Zero the key's row (a failed step may have written past what was synced) and free it; no row: no-op."""
         row = self._rows.pop(key, None)
         if row is not None:
             self.table[row.index].zero_()
@@ -60,9 +52,8 @@ class PageTableRows:
 
     def decode_batch(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]], page_size: int) -> ForwardBatch:
-        """A decode step: request b writes token ``last_tokens[b]`` at position ``prefix_lens[b]``. Rows taken for
-        new keys are given back if the step cannot be laid out; the synced lengths advance only once the
-        delta is on the device, so the next step resends whatever a failed one sent."""
+        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``. ValueError on a repeated key or too few pages;
+        a failed step frees its new rows and syncs nothing."""
         if len(set(keys)) != len(keys):
             raise ValueError("a request appears twice in one decode step")
         seq_lens = [p + 1 for p in prefix_lens]
@@ -94,7 +85,6 @@ class PageTableRows:
         return row
 
     def _grow(self) -> None:
-        """Double the rows; live rows keep their index (and their contents)."""
         old = self.capacity
         table = torch.zeros(2 * old, self.max_pages, dtype=torch.int64, device=self.device)
         table[:old].copy_(self.table)
@@ -103,8 +93,7 @@ class PageTableRows:
 
     @staticmethod
     def _delta(rows: list[_Row], pages: list[list[int]], needs: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """The (row, column, page) triples that bring each row to its request's first ``need`` pages: the new tail
-        of the same list, or the whole row (zeros past the end) for a new list."""
+        """(row, column, page) triples: the list's new tail, or the whole row (zero-padded) for a new list."""
         d_rows: list[int] = []
         d_cols: list[int] = []
         d_vals: list[int] = []
@@ -121,7 +110,7 @@ class PageTableRows:
     def _lay_out(self, rows: list[_Row], delta: tuple[list[int], list[int], list[int]], last_tokens: list[int],
                  prefix_lens: list[int], seq_lens: list[int], pages: list[list[int]], needs: list[int],
                  page_size: int) -> ForwardBatch:
-        """Send the step's vectors and the delta in one copy, apply the delta, gather the batch's rows."""
+        """One copy of the step's vectors and the delta, then the batch's rows gathered."""
         batch = len(rows)
         out_slots = [plist[p // page_size] * page_size + p % page_size for plist, p in zip(pages, prefix_lens)]
         host = {

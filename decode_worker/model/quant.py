@@ -1,8 +1,6 @@
-"""Weights kept 4-bit on CPU: GGUF Q4_1 blocks and a linear layer over torch's int4 packed-weight matmul.
+"""Weights kept 4-bit on CPU: GGUF Q4_1 blocks and a linear layer over torch's int4 matmul.
 
-Q4_1 stores each row in blocks of 32 values ``w = d * q + m`` (``q`` in 0..15, one scale ``d`` and one minimum
-``m`` per block). torch's CPU kernel (``_weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * scale + zero``
-per group, so a block maps onto a group exactly with ``scale = d`` and ``zero = m + 8 * d``.
+A Q4_1 block (``d * q + m``) is one kernel group (``(q - 8) * scale + zero``): ``scale = d``, ``zero = m + 8d``.
 """
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class Q4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q4Blocks":
-        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles; the low nibbles hold the
-        block's first 16 values, the high nibbles the last 16)."""
+        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles, low nibbles first)."""
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 20)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -40,18 +37,17 @@ class Q4Blocks:
         return cls(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 matrix the blocks encode."""
         rows, cols = self.codes.shape
         grouped = self.codes.view(rows, cols // Q4_GROUP, Q4_GROUP).float()
         return (grouped * self.scale[..., None] + self.minimum[..., None]).view(rows, cols)
 
     def map_rows(self, fn) -> "Q4Blocks":
-        """The same blocks with ``fn`` applied to the row order of every part (e.g. llama.cpp's Q/K permutation)."""
+        """The blocks with ``fn`` applied to every part's rows (e.g. llama.cpp's Q/K permutation)."""
         return Q4Blocks(fn(self.codes), fn(self.scale), fn(self.minimum))
 
     @staticmethod
     def stack(parts: list["Q4Blocks"]) -> "Q4Blocks":
-        """Row-wise concatenation: the fused QKV or gate/up matrix from its pieces, in order."""
+        """Row-wise concatenation (a fused QKV or gate/up matrix)."""
         return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum")))
 
 
@@ -61,12 +57,8 @@ def packable(rows: int, cols: int) -> bool:
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W.T`` with ``W`` held as int4 codes packed for torch's CPU kernel plus per-group scale and zero.
-
-    With ``dense_from_rows`` set it also keeps ``W`` dequantized in the activation dtype and uses that copy for
-    inputs of at least that many rows: the int4 kernel wins where a step reads more weight bytes than it computes
-    (decode of a few requests) and loses to the dense GEMM on wide inputs (prefill, large batches).
-    """
+    """``y = x @ W.T`` over int4-packed ``W``. ``dense_from_rows`` keeps a dequantized copy for inputs of that many
+    rows or more: int4 wins on memory-bound decode, dense GEMM on wide inputs."""
 
     def __init__(self, blocks: Q4Blocks, dtype: torch.dtype, dense_from_rows: int | None = None):
         super().__init__()

@@ -44,19 +44,18 @@ class ModelRunner:
 
     def build_decode(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]]) -> ForwardBatch:
-        """A decode step through the running requests' persistent page-table rows (``keys`` name the rows; the
-        scheduler frees a request's row with ``rows.release`` when it stops running)."""
+        """A decode step through persistent page-table rows named by ``keys``; the scheduler frees a row with
+        ``rows.release`` when its request stops running."""
         return self.rows.decode_batch(keys, last_tokens, prefix_lens, pages, self.page_size)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (or [T, vocab] with all_logits) in float32. From a CUDA graph they are a view of its
-        output, valid until the next replay: sample from them first, or copy them."""
+        """float32 logits [B, vocab] ([T, vocab] with all_logits); from a CUDA graph, valid until the next replay."""
         if self.graphs is not None and fb.is_decode and self.graphs.fits(fb):
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)
 
     def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
                        shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-        """Forward and sample on the calling thread, which waits for the device in the sampler's ``.tolist()``:
-        the caller gets Python lists, never a device tensor (nor a graph output the next replay rewrites)."""
+        """Forward and sample on the calling thread (it waits for the device): Python lists out, never a device
+        tensor."""
         return sample(self.forward(fb), params, generators, shaping, mask)

@@ -60,8 +60,7 @@ class Tokenizer:
 
 
 def _from_gguf(path: Path) -> Any:
-    """The tokenizer a GGUF file carries, converted once and then read from the cache folder: transformers'
-    conversion parses the whole file again on every start, a saved fast tokenizer loads in a fraction of that."""
+    """A GGUF file's tokenizer, converted once and then loaded from the cache folder (conversion is slow)."""
     from transformers import AutoTokenizer
 
     saved = converted_tokenizer_dir(path)
@@ -77,8 +76,7 @@ def _from_gguf(path: Path) -> Any:
 
 
 def converted_tokenizer_dir(path: Path) -> Path:
-    """Where ``path``'s converted tokenizer is kept: named by the file's identity and the converter's version, so a
-    replaced model file or a new transformers converts again."""
+    """Where ``path``'s converted tokenizer is kept, keyed by the file's identity and transformers' version."""
     import transformers
 
     stat = path.stat()
@@ -87,7 +85,7 @@ def converted_tokenizer_dir(path: Path) -> Path:
 
 
 def _save(backend: Any, target: Path) -> None:
-    """Write the converted tokenizer beside the others, whole or not at all (another worker may race for it)."""
+    """Save the converted tokenizer whole or not at all (another worker may race for it)."""
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
         backend.save_pretrained(str(partial))

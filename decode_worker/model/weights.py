@@ -42,10 +42,8 @@ def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
 
 def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks]],
                  dense_from_rows: int | None = None) -> None:
-    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError.
-
-    A weight given as ``Q4Blocks`` (every piece of it, for a fused one) replaces its bias-free linear layer by an
-    ``Int4Linear`` (``dense_from_rows`` as there); anywhere else it is dequantized into the dense parameter."""
+    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError. A bias-free linear
+    given wholly as ``Q4Blocks`` becomes an ``Int4Linear``; other blocks are dequantized."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     quantized: dict[str, list[tuple[int, Q4Blocks]]] = {}
@@ -95,11 +93,7 @@ def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
 
 def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
     """Short digest of the loaded weights, so KV from two checkpoints that share a name and shape never mixes.
-
-    It hashes each parameter's name, shape, dtype and ``samples_per_tensor`` values strided across it:
-    a fine-tune or a merged adapter changes values all over a matrix, and sampling keeps start-up fast for
-    models of any size (reading every byte of a 70B checkpoint would take minutes).
-    """
+    Strided samples per tensor: a fine-tune changes values everywhere, and start-up stays fast."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
