@@ -1,4 +1,1 @@
-"""The engine-level halves of prefill/decode disaggregation: the handshake, prefill holding and pushing KV, decode
-receiving it.
-
-How the packages fit together: docs/architecture.md."""
+"""The engine-level halves of PD: the handshake, prefill's hold, decode's read (docs/architecture.md)."""

@@ -1,21 +1,5 @@
-"""Decode side of PD: ask prefill for a prompt's KV early, then read the delta straight into the request's pages.
-
-The handshake goes out while the request is still queued (``prepare``), so prefill's compute and the L3 prefetch
-run at the same time; prefill answers once it holds the room's KV, with its page indices, the first token and its
-logprob. Only then does admission fix the prefix (what L1, L2 and the landed prefetch hold) and allocate the delta
-pages, and ``receive`` READs pages ``[prefix, prompt_len)`` from prefill's registered pool into them. Then a
-release notification tells prefill to free its pages; a request that gives up after the answer sends it too.
-
-Decode uses no byte it cannot prove it copied while prefill still held it. Prefill's hold starts at the instant
-its ``waited_s`` ends, and that instant is no earlier than ``asked + waited_s`` on our clock (``asked``: when we
-posted the handshake), whatever the network delay; the read's deadline is that plus ``hold_s``, minus a margin.
-The agent reads the clock after the copy's last byte (``KVAgent.read``): a copy that ended after the deadline, or
-never started before it (a stalled copy thread), fails the request as a transfer timeout, even if its bytes
-happen to be whole. Chosen over a per-page generation count (a seqlock) because it needs nothing from prefill's
-pool layout or NIXL, and over extending the hold because a stalled decode must not keep prefill's pages.
-
-Prefill's answer is checked field by field before any of it is used (``Answer.from_json``); a bad one fails only
-its request (``transfer_failures_total{reason="bad_answer"}``).
+"""Decode side of PD: handshake while queued, read the delta from prefill's pool into the request's own pages once
+admitted, then release prefill's. A read's bytes count only if it ended within prefill's hold (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -59,9 +43,7 @@ HOLD_MARGIN_S = 1.0
 
 
 def handshake_client(timeout_s: float) -> httpx.AsyncClient:
-    """HTTP client for handshakes. A pooled connection reused just as prefill closes it as idle fails a healthy
-    peer's handshake before prefill reads it (httpx and uvicorn both keep idle connections 5 s), so ours are
-    dropped long before the server's."""
+    """Handshake client whose idle connections close well before the server's, so none is reused as it closes."""
     return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
         max_connections=100, max_keepalive_connections=20, keepalive_expiry=HANDSHAKE_KEEPALIVE_S))
 
@@ -78,8 +60,7 @@ class _Room:
 
 
 class DeltaKVFetcher:
-    """The decode role's prompt source (``scheduler.roles.PromptSource``): a fresh request's prompt KV comes
-    from its prefill peer."""
+    """The decode role's ``PromptSource``: a fresh request's prompt KV comes from its prefill peer."""
 
     def __init__(self, config: ServerConfig, pool: KVPool, agent: KVAgent, metrics: Metrics, vocab_size: int):
         self.config = config
@@ -122,9 +103,8 @@ class DeltaKVFetcher:
         self._forget_room(req.rid)
 
     async def receive(self, req: Req, delta_pages: np.ndarray) -> Prefilled:
-        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first token and
-        the logprobs the request asked for, all of which prefill computed: the prompt's from its own forward
-        (``scheduler/scoring.py``), so a prefix this worker already held changes nothing in them."""
+        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; return prefill's first token and
+        logprobs (all computed by prefill), or raise ``RequestError`` (``kv_transfer_error``, 502/504)."""
         room = self._rooms.get(req.rid) or self._start(req)
         try:
             answer, peer = await room.task
@@ -143,7 +123,7 @@ class DeltaKVFetcher:
         ps, prompt = self.pool.page_size, req.seq.prompt_ids
         prefix_pages = req.prefix_pages
         started = time.monotonic()
-        hold_ends = room.asked + answer.waited_s + answer.hold_s - HOLD_MARGIN_S  # monotonic, see the module doc
+        hold_ends = room.asked + answer.waited_s + answer.hold_s - HOLD_MARGIN_S  # monotonic: docs/reliability.md
         deadline = min(started + self.config.transfer_timeout_s, hold_ends)
         if deadline <= started:  # admitted after prefill's hold: its pages may be reused by now
             raise self._fail("timeout", f"prefill {room.boot.host}:{room.boot.port} held room {answer.room}'s KV "
@@ -177,8 +157,7 @@ class DeltaKVFetcher:
                 self.agent.drop_peer(name)
 
     def _quarantine(self, req: Req) -> None:
-        """Keep a read's pages out of use for good: a read that could not be stopped may still write into them,
-        and a page handed to another request would then get this prompt's KV. Leaked, and logged, on purpose."""
+        """Leak a read's pages on purpose (logged): a read that could not be stopped may still write into them."""
         leaked, req.handle.delta_pages = req.handle.delta_pages, NO_PAGES
         log.error("request %s: %d KV pages are kept out of use for good (a read into them could not be stopped)",
                   req.rid, len(leaked))
@@ -200,9 +179,8 @@ class DeltaKVFetcher:
             self.agent.notify(peer.name, release_message(answer.room, answer.lease))
 
     def _auth_headers(self, boot: Bootstrap) -> dict[str, str]:
-        """The pair's PD token in its header (never in the body), and our API key: the prefill worker of one
-        deployment shares it (one sglang-router --api-key serves all workers). Only to a prefill worker in
-        ``--prefill-hosts`` (the intake already refused others; this keeps the secrets home if a path skips it)."""
+        """PD token and API key headers, only for a ``--prefill-hosts`` worker (``RequestError`` otherwise, even if a
+        path skipped the intake's check)."""
         if not prefill_hosts(self.config.prefill_hosts).allowed_now(boot.host, boot.port):
             raise RequestError(f"bootstrap_host {boot.host!r} is not in --prefill-hosts: nothing sent to it")
         headers = {PD_TOKEN_HEADER: self.config.pd_token} if self.config.pd_token else {}
@@ -211,7 +189,7 @@ class DeltaKVFetcher:
         return headers
 
     async def _handshake(self, room: _Room, prompt: list[int]) -> tuple[Answer, Peer]:
-        """Ask prefill for the room; answers once prefill holds its KV. Loads prefill's agent the first time."""
+        """Ask prefill for the room (it answers once it holds the KV); loads prefill's agent the first time."""
         boot = room.boot
         peer_key = (boot.host, boot.port)
         body = {"room": boot.room, "prompt_len": len(prompt), "prompt_digest": prompt_digest(prompt),
@@ -249,8 +227,7 @@ class DeltaKVFetcher:
         return answer, await self._peer(peer_key, answer)
 
     async def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
-        """Prefill's agent, loaded once per agent (a restarted prefill brings a new one, which replaces it), off the
-        event loop and within the handshake timeout."""
+        """Prefill's agent, loaded once (a restarted prefill's new one replaces it), within the handshake timeout."""
         peer = self.agent.peer(answer.pool.agent)
         if peer is not None:
             return peer
@@ -269,8 +246,7 @@ class DeltaKVFetcher:
         return peer
 
     def _drop_agent(self, name: str) -> None:
-        """Forget a replaced agent: now if no read of it is in flight, else once the last one ends (its handles
-        and mapping must outlive them). Reads of it that start later fail as peer_lost (``KVAgent.read``)."""
+        """Drop a replaced agent once its reads in flight end; later reads of it fail as peer_lost."""
         if self._reading[name]:
             self._replaced.add(name)
         else:

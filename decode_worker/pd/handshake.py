@@ -24,9 +24,8 @@ PD_TOKEN_HEADER = "X-PD-Token"  # the shared secret of a prefill/decode pair; a 
 
 
 class HandshakeBody(Protocol):
-    """Decode -> prefill: which room, the prompt decode holds, its KV layout, and which prefill agent it already
-    knows (prefill then leaves its metadata out of the answer). The HTTP layer validates the body against its
-    schema; prefill reads only these fields."""
+    """Decode -> prefill: room, prompt, KV layout, and the prefill agent decode knows (its metadata is then left
+    out of the answer)."""
 
     room: int
     prompt_len: int
@@ -53,8 +52,7 @@ class BadAnswer(ValueError):
 
 @dataclass(frozen=True)
 class Asked:
-    """What decode asked prefill for, and what it can use: every answer is checked against it before any field is
-    used (``Answer.from_json``)."""
+    """What decode asked prefill for, and what it can use: every answer is checked against it."""
 
     room: int
     prompt_len: int
@@ -66,9 +64,8 @@ class Asked:
 
 @dataclass(frozen=True)
 class Answer:
-    """Prefill -> decode, once prefill holds the room's KV: where the prompt's pages are, the first token, and
-    how long prefill keeps them for decode's read (``hold_s`` from the answer; ``waited_s`` is how long prefill
-    took to answer, so decode can bound the read by prefill's clock without trusting either clock's time)."""
+    """Prefill -> decode: the room's pages, the first token, and ``hold_s`` counted from the end of ``waited_s``,
+    so decode bounds its read without a shared clock."""
 
     room: int
     lease: int  # names this hand-off in the release notification (a room may be reused)
@@ -90,8 +87,8 @@ class Answer:
                 "prompt_logprobs": _prompt_to_json(self.prompt_logprobs)}
 
     def prefilled(self, logprob_start: int | None, top_logprobs: int) -> Prefilled:
-        """What the scheduler takes from the answer, once its logprobs are what the request asks for (``BadAnswer``
-        otherwise: a prefill that scored another start or width answered another request, or an older version)."""
+        """What the scheduler takes from the answer; ``BadAnswer`` unless its logprobs have the start and width the
+        request asks for."""
         if len(self.top_logprobs) != top_logprobs:
             raise BadAnswer("top_logprobs", f"has {len(self.top_logprobs)} alternatives, the request asks for "
                                             f"{top_logprobs}")
@@ -106,10 +103,8 @@ class Answer:
 
     @classmethod
     def from_json(cls, d: Any, asked: Asked) -> Answer:
-        """The answer, every field checked against its type, its range and what decode ``asked``; ``BadAnswer``
-        names the first field that fails. A peer's answer is input like a client's body: a token outside the
-        vocabulary would fail every request in the next batch, a page outside its pool would read foreign memory.
-        New fields are checked here too."""
+        """The answer, every field checked against its type, its range and what decode ``asked``, as input like a
+        client's body (new fields too); ``BadAnswer`` names the first that fails."""
         if not isinstance(d, dict):
             raise BadAnswer("answer", f"must be a JSON object, not {type(d).__name__}")
         if d.get("status") != "ready":
@@ -219,8 +214,8 @@ def _alternatives(v: Any, name: str, vocab_size: int) -> list[tuple[int, float]]
 
 
 def _prompt_from_json(v: Any, asked: Asked) -> PromptLogprobs | None:
-    """The prompt's logprobs from ``start`` to its end: None for position 0 (nothing precedes it), else finite
-    logprobs <= 0, each with a list of alternatives (empty for position 0)."""
+    """The prompt's logprobs from ``start``: None for position 0, else finite and <= 0, each with its alternatives
+    (empty for position 0)."""
     if v is None:
         return None
     if not isinstance(v, dict):

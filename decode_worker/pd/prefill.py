@@ -1,12 +1,5 @@
-"""Prefill side of PD: keep each finished prompt's KV under a lease and hand it to the decode peer that asks.
-
-A request that reaches its first token is held by room (its pages stay locked) until the decode side's handshake
-comes. The answer names the prompt's pages in our registered pool; decode reads them itself, and its release
-notification (sent after the read, or on its own when decode gives up) frees them. A hand-off whose release never
-comes is freed when its hold expires: decode's read deadline ends strictly before (``pd/decode.py``), so no read
-runs from a page we reuse. Either way the pages then go into prefill's own radix cache. A decode peer that gives
-up before our answer closes its handshake: its room is abandoned, and the KV is freed as soon as it is held.
-"""
+"""Prefill side of PD: hold each finished prompt's KV by room until its decode peer reads it; release, expiry or an
+abandoned handshake frees it into our own radix cache."""
 from __future__ import annotations
 
 import asyncio
@@ -32,11 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def check_pd_token(expected: str, given: str | None) -> None:
-    """The handshake's X-PD-Token header against our --pd-token, compared in constant time.
-
-    A token on one side only is refused as well as a wrong one: it means the pair was configured apart, and
-    either way the message says which side lacks it.
-    """
+    """Check the handshake's X-PD-Token header against our --pd-token in constant time (``RequestError``, 401). A
+    token on one side only is refused too, naming the side that lacks it."""
     if not expected and not given:
         return
     if not expected:
@@ -62,8 +52,7 @@ class _Lease:
 
 @dataclass
 class KVHandoff:
-    """The prefill role's end of a prompt (``scheduler.roles.PromptDone``): a PD request's KV is held under a
-    lease for its decode peer, handed to it by the handshake's answer and freed by its release notification."""
+    """The prefill role's ``PromptDone``: a PD request's KV, held under a lease for its decode peer until released."""
 
     config: ServerConfig
     pool: KVPool
@@ -114,7 +103,7 @@ class KVHandoff:
         return self.leases.pop(room, None)
 
     async def handshake(self, body: HandshakeBody) -> dict:
-        """The caller has checked the PD token (``check_pd_token``). Answers once we hold the room's KV."""
+        """Answer once we hold the room's KV; the caller has checked the PD token."""
         asked = time.monotonic()
         diff = self.pool.layout.differences(body.layout)
         if diff:
@@ -162,8 +151,7 @@ class KVHandoff:
         return lease
 
     def _abandon(self, room: int) -> None:
-        """The decode peer went away before our answer (its request ended): free the room's KV now if we hold
-        it, else as soon as it arrives (``hold``), instead of holding it for nobody until its lease ends."""
+        """The decode peer left before our answer: free the room's KV now or when it arrives, not at lease end."""
         self._arrived.pop(room, None)
         if (lease := self.leases.pop(room, None)) is not None:
             self.scheduler.release_held(lease.req)
