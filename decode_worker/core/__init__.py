@@ -1,4 +1,3 @@
-"""Plain types every layer shares (requests, lifecycle states, policies, small utilities); imports no other package of
-the worker.
-
-How the packages fit together: docs/architecture.md."""
+"""Plain types every layer shares (requests, lifecycle states, policies, small utilities); imports no other
+package of the worker.
+"""

@@ -5,7 +5,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of the x8
 
 
 def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The bf16 instruction sets this CPU reports (none where the file is missing, e.g. not Linux)."""
+    """The bf16 instruction sets this CPU reports (none where /proc/cpuinfo is missing)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -15,8 +15,7 @@ def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
-    """(dtype, why): bfloat16 on CUDA and on a CPU with native bf16 (where a GGUF's Q4_1 layers also stay 4-bit),
-    float32 on other CPUs, where bf16 arithmetic is emulated and slower than float32."""
+    """(dtype, why): bfloat16 on CUDA and on a CPU with native bf16, else float32 (emulated bf16 is slower)."""
     if cuda:
         return "bfloat16", "CUDA"
     flags = native_bf16_flags(cpuinfo)

@@ -1,7 +1,7 @@
 """A request's life in the scheduler: its states, the moves between them, and what it found cached.
 
-Pure data: the scheduler (``scheduler/queues.py``) keeps each live request in the queue of its state and moves
-it only through ``check_transition``, so a request's state and the queue it sits in cannot disagree.
+Pure data: the scheduler moves a request between queues only through ``check_transition``, so its state and its
+queue cannot disagree.
 """
 from __future__ import annotations
 
@@ -10,21 +10,18 @@ from enum import Enum
 
 
 class ReqState(Enum):
-    """Where a request is, mapped onto what the scheduler does with it (its queue in brackets).
+    """Where a request is, and its scheduler queue in brackets.
 
-    QUEUED        waiting for a batch slot and L1 pages, FIFO [prealloc]; also a request whose L3 prefetch has
-                  settled, or whose failed load-back sends it to match again
-    MATCHING      queued while its L3 lookup and prefetch into L2 run (the lookahead): the head of the queue
-                  waits for it to settle as the prefetch policy says, then is QUEUED again [prealloc]
+    QUEUED        waiting for a batch slot and L1 pages, FIFO; also after a prefetch or failed load-back [prealloc]
+    MATCHING      queued while its L3 lookup and prefetch into L2 run [prealloc]
     LOADING       admitted (prefix locked, L1 pages allocated), waiting for its L2->L1 load-back [loading]
-    TRANSFERRING  admitted, its prompt KV arriving from prefill (and its load-back, if any) [loading]
-    EXTENDING     its KV in place, waiting for or inside the extend forward over its uncomputed tokens [extend]
+    TRANSFERRING  admitted, its prompt KV arriving from prefill (and any load-back) [loading]
+    EXTENDING     its KV in place, waiting for or inside the extend of its uncomputed tokens [extend]
     RUNNING       in the decode batch [running]
-    RETRACTED     L1 ran out: its pages released (backed up to L2 where possible), waiting to resume [retracted]
+    RETRACTED     L1 ran out: pages released (backed up to L2 where possible), waiting to resume [retracted]
     HELD          prefill role: answered, its KV pinned for the decode peer until handed off or expired [held]
     FINISHED      answered; its KV cached or freed
-    ABORTED       ended with an error (client gone, deadline, failure, shutdown); everything it took freed
-    """
+    ABORTED       ended with an error (client gone, deadline, failure, shutdown); everything it took freed"""
 
     QUEUED = "queued"
     MATCHING = "matching"
@@ -65,7 +62,7 @@ def check_transition(old: ReqState, new: ReqState) -> None:
 
 @dataclass(frozen=True)
 class CacheHits:
-    """Prompt tokens a request found cached at its first admission, per tier; every token event reports them."""
+    """Prompt tokens found cached per tier at first admission; every token event reports them."""
 
     device: int = 0  # already on L1
     host: int = 0  # restored from L2

@@ -1,5 +1,6 @@
-"""Every choice a flag names, defined once: the flags offer these values and the cache and scheduler compare
-against them. A ``StrEnum`` member equals its string, so a value read from a flag or a file needs no mapping."""
+"""Every choice a flag names, defined once; a ``StrEnum`` member equals its string, so flag values need no
+mapping.
+"""
 from __future__ import annotations
 
 from enum import StrEnum

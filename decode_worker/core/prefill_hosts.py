@@ -1,8 +1,6 @@
-"""Which prefill workers a decode worker may call (``--prefill-hosts``).
+"""Which prefill workers a decode worker may call (``--prefill-hosts``; rules in docs/security.md).
 
-Any client can name a ``bootstrap_host``, so decode sends its handshake and PD token only to the hosts the operator
-listed (loopback only when none are). Only the operator's names are resolved, off the loop, cached for ``ttl_s``;
-docs/security.md gives the rules.
+Only the operator's names are resolved, never a client's ``bootstrap_host``.
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ Resolver = Callable[[str], Awaitable[frozenset[str]]]
 
 @dataclass(frozen=True)
 class HostEntry:
-    """One allowed prefill: a lower-case name or a normalised address, and a port (None: any port)."""
+    """A lower-case name or a normalised address, and a port (None: any)."""
 
     host: str
     port: int | None = None
@@ -39,7 +37,6 @@ class HostEntry:
 
 
 def _address(host: str) -> str | None:
-    """``host`` as a normalised IP address, or None when it is a name."""
     try:
         return str(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
@@ -47,13 +44,12 @@ def _address(host: str) -> str | None:
 
 
 def normalise_host(host: str) -> str:
-    """An address in its one written form, a name in lower case without a trailing dot."""
+    """An address in its one written form; a name lower-cased, no trailing dot."""
     return _address(host) or host.strip("[]").rstrip(".").lower()
 
 
 def parse_prefill_hosts(raw: str) -> tuple[HostEntry, ...] | None:
-    """``host[:port],...`` (IPv6 in brackets when a port follows) into entries; None for ``*`` (any host).
-    Raises ValueError naming the entry that is not a host."""
+    """``host[:port],...`` into entries, None for ``*``; ValueError names a bad entry."""
     if raw.strip() == ANY:
         return None
     entries = []
@@ -85,7 +81,7 @@ def _split(item: str) -> tuple[str, int | None]:
 
 
 async def resolve(name: str) -> frozenset[str]:
-    """The addresses ``name`` resolves to, looked up in the loop's executor (never blocking the loop)."""
+    """The addresses ``name`` resolves to, looked up in the loop's executor."""
     infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
     return frozenset(normalise_host(info[4][0]) for info in infos)
 
@@ -113,7 +109,7 @@ class PrefillHosts:
         return ", ".join(map(str, self.entries)) if self.entries else "loopback only (--prefill-hosts unset)"
 
     def allowed_now(self, host: str, port: int) -> bool:
-        """Whether ``host:port`` is allowed by the entries and the addresses resolved so far (no lookup)."""
+        """Whether ``host:port`` is allowed by what is resolved so far (no lookup)."""
         if self.entries is None:
             return True
         host = normalise_host(host)
@@ -129,8 +125,8 @@ class PrefillHosts:
         return False
 
     async def allowed(self, host: str, port: int) -> bool:
-        """Whether ``host:port`` may be called: from the cache while it is fresh, else after one re-resolution
-        of the listed names (an address the cache has not seen may be a pod that just joined)."""
+        """Whether ``host:port`` may be called; an address not in a fresh cache gets one re-resolution (a pod may
+        have just joined)."""
         fresh = time.monotonic() - self._resolved_at < self.ttl_s
         if fresh and self.allowed_now(host, port):
             return True
@@ -139,8 +135,7 @@ class PrefillHosts:
         return self.allowed_now(host, port)
 
     async def _refreshed(self) -> None:
-        """Re-resolve every listed name, sharing one lookup among concurrent callers; rate-bounded, so a flood
-        of unknown addresses costs at most one lookup per ``min_refresh_s``."""
+        """Re-resolve the listed names once for all concurrent callers, at most once per ``min_refresh_s``."""
         if self._refresh is not None and self._refresh.get_loop() is not asyncio.get_running_loop():
             self._refresh = None  # left by an event loop that has ended
         if self._refresh is None:
@@ -174,6 +169,5 @@ class PrefillHosts:
 
 @functools.cache
 def prefill_hosts(raw: str) -> PrefillHosts:
-    """The process's one allow-list for a ``--prefill-hosts`` value: the request intake and the handshake share
-    its resolved addresses."""
+    """The process's one allow-list per ``--prefill-hosts`` value, so intake and handshake share its cache."""
     return PrefillHosts.from_flag(raw)

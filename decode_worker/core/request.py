@@ -10,7 +10,7 @@ from decode_worker.core.sampling import SamplingParams
 
 
 class RequestError(Exception):
-    """A request that cannot be served; ``status`` is the HTTP status the client gets."""
+    """A request that cannot be served; ``status`` is the client's HTTP status."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -20,7 +20,7 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """Where a PD request's prefill peer runs its handshake, and the room that names the transfer."""
+    """Where a PD request's prefill peer runs its handshake, and the transfer's room."""
 
     host: str
     port: int
@@ -39,8 +39,8 @@ class GenerateInput:
 
 @dataclass
 class PromptLogprobs:
-    """The prompt's own log-probabilities from ``start``: each token's under the model given the tokens before it
-    (None for the prompt's first token, which nothing precedes), and per token its best alternatives."""
+    """The prompt's log-probabilities from ``start`` (None for the first token) and each token's best
+    alternatives."""
 
     start: int
     logprobs: list[float | None]
@@ -48,8 +48,7 @@ class PromptLogprobs:
 
 
 class Prefilled(NamedTuple):
-    """What a prompt source hands the scheduler with a received prompt: prefill's first token, its logprob and
-    alternatives, and the prompt's logprobs when the request asked for them."""
+    """What comes with a prompt from prefill: its first token, logprobs, and prompt logprobs if asked."""
 
     token: int
     logprob: float
@@ -59,7 +58,7 @@ class Prefilled(NamedTuple):
 
 @dataclass
 class TokenEvent:
-    """New tokens for one request; the last event has ``finish_reason`` (or ``error``) set."""
+    """New tokens for one request; the last event sets ``finish_reason`` or ``error``."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -72,7 +71,7 @@ class TokenEvent:
 
 @dataclass
 class RequestStream:
-    """The HTTP side's handle: an async iterator of TokenEvents plus an abort hook."""
+    """The HTTP side's handle: an async iterator of TokenEvents and an abort hook."""
 
     rid: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -1,4 +1,4 @@
-"""Sampling parameters of a request: what the sampler (``model/sampler.py``) is asked to do."""
+"""Sampling parameters of a request."""
 from __future__ import annotations
 
 import math
@@ -39,7 +39,7 @@ class SamplingParams:
 
     @property
     def grammar_name(self) -> str:
-        """How errors about the grammar name it: the request's own field."""
+        """The request field that errors about its grammar name."""
         return self.grammar_field or (self.grammar or ("grammar",))[0]
 
     @property

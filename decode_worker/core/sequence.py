@@ -14,7 +14,7 @@ TOKEN_BYTES = 4  # a packed token id: int32, little-endian (the radix tree's key
 
 
 def pack_tokens(tokens: Iterable[int]) -> bytes:
-    """Token ids packed as int32 little-endian: the radix tree's key format, built in C."""
+    """Token ids as int32 little-endian bytes: the radix tree's key format."""
     packed = array("i", tokens)
     if sys.byteorder == "big":
         packed.byteswap()
@@ -35,9 +35,8 @@ class Sequence:
     _packed: bytearray = field(default_factory=bytearray, repr=False, compare=False)  # token ids packed so far
 
     def key(self, n: int) -> bytes:
-        """The first ``n`` token ids packed (``pack_tokens``): the cache's key for match and insert. The packing
-        grows with the sequence (the prompt once, then the new output tokens), so a call costs one copy of the
-        bytes instead of turning ``n`` Python ints into a list and then into a key each time."""
+        """The first ``n`` token ids packed: the cache's key. The packed bytes grow with the sequence, so a call
+        copies bytes rather than converting ``n`` Python ints."""
         packed, have = self._packed, len(self._packed) // TOKEN_BYTES
         if have < n:
             prompt = len(self.prompt_ids)
@@ -61,18 +60,18 @@ class Sequence:
         return self.finish_reason is not None
 
     def pages_needed(self, page_size: int) -> int:
-        """Pages to hold K/V of every token so far (the last sampled token is written by the next step)."""
+        """Pages for every token's K/V so far (the last sampled token is written by the next step)."""
         return -(-self.num_tokens // page_size)
 
 
 class PromptTooLong(ValueError):
-    """A request that can never run here: longer than the context or larger than the whole KV pool."""
+    """Past the context or larger than the whole KV pool: can never run here."""
 
 
 def check_fits(prompt_ids: list[int], params: SamplingParams, *, max_context: int, vocab_size: int, page_size: int,
                total_pages: int) -> None:
-    """Reject at once what can never run: empty, bad token ids or parameters, longer than the context, or more
-    KV than the whole pool (generation stops at the context, so that caps what it can need)."""
+    """Reject at once what can never run: empty, bad ids or parameters, past the context, or more KV than the
+    whole pool."""
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -88,7 +87,7 @@ def check_fits(prompt_ids: list[int], params: SamplingParams, *, max_context: in
 
 
 def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int, decode_text) -> None:
-    """Set ``seq.finish_reason`` after a new token, in SGLang's shape ({type, matched} / {type, length})."""
+    """Set ``seq.finish_reason`` after a new token, in SGLang's shape."""
     token = seq.output_ids[-1]
     p = seq.params
     if len(seq.output_ids) < p.min_new_tokens and seq.num_tokens < max_context:
@@ -102,13 +101,12 @@ def check_finish(seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int
 
 
 def _stop_string(stops: list[str], tail: str) -> str | None:
-    """The first stop string in the decoded tail (a token covers at least one character, so a tail of
-    longest-stop + 8 tokens holds any stop string the newest token completed)."""
+    """The first stop string in the decoded tail (longest stop + 8 tokens: a token is at least one character)."""
     return next((s for s in stops if s in tail), None)
 
 
 def trim_stop_string(text: str, finish_reason: dict | None) -> str:
-    """Cut the output text at a matched stop string (the string itself is not returned)."""
+    """Cut the output text before a matched stop string."""
     if finish_reason and isinstance(finish_reason.get("matched"), str):
         return text[: text.find(finish_reason["matched"])] if finish_reason["matched"] in text else text
     return text

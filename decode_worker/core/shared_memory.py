@@ -1,16 +1,6 @@
-"""Host memory another process on this host can map: a prefill worker's KV pool, read by its decode peers.
+"""Host memory a peer process on this host can map: a prefill worker's KV pool, read by its decode peers.
 
-The pool lives in an anonymous memory file (``memfd``) that only its owner can resize or reopen: it is sealed
-against shrinking and growing (a reader's copy out of a shrunk file would die with SIGBUS) and its mode is 0600.
-A peer gets the file itself, never a path: the owner hands its descriptor over a Unix socket
-(``transfer/pool_share.py``). Before mapping a descriptor it received, the peer checks that it is such a file
-(``check_memory_file``): a sealed memfd on tmpfs, of the owner's uid, fully allocated, of exactly the size the pool
-implies. It then maps it read-only and touches only the pages it copies, so it never allocates or faults in memory
-the owner chose beyond what it reads.
-
-A peer copies pages out of the mapping with memcpy. UCX between processes on one host falls back to CMA
-(``process_vm_readv``) without xpmem, which pins every 4 KB page it copies and takes ~3x as long
-(``benchmarks/bench_transfer.py``).
+A sealed memfd handed over as a descriptor, mapped read-only after ``check_memory_file`` (rules: docs/security.md).
 """
 from __future__ import annotations
 
@@ -35,7 +25,7 @@ MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs"}  # statfs f_
 
 @cache
 def boot_id() -> str:
-    """This host's identity for as long as it runs: two processes with the same boot id share a kernel."""
+    """Two processes with the same boot id share a kernel."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -45,21 +35,21 @@ def boot_id() -> str:
 
 @cache
 def mappable_bytes() -> int:
-    """The most a peer's pool may claim to hold: this host's physical memory (a larger one cannot be real)."""
+    """The most a peer's pool may claim to hold: this host's physical memory."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
 class SharedFile:
-    """The owner's side of a shared buffer: the open memory file behind it (closed once the buffer's owner goes)."""
+    """The owner's side: the memory file, closed once the buffer's owner goes."""
 
     fd: int
     nbytes: int
 
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, SharedFile]:
-    """A zeroed host tensor in a sealed memory file peers can map, with its pages faulted in now (as ``torch.zeros``
-    would) so no copy pays for them later. The file is closed once ``owner`` is collected."""
+    """A zeroed host tensor in a sealed memory file peers can map, faulted in now; closed once ``owner`` is
+    collected."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         raise ValueError("a shared buffer needs at least one byte")
@@ -80,10 +70,8 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> t
 
 
 def check_memory_file(fd: int, nbytes: int, uid: int) -> str:
-    """Why the descriptor ``fd`` a peer sent may not be mapped as its pool of ``nbytes`` bytes, or ``""`` if it may:
-    it must be a memfd on a memory filesystem, of ``uid``, closed to other users, sealed to its size (``SEALS``),
-    exactly ``nbytes`` long and fully allocated (reading a hole would allocate memory here). Only looks at ``fd``:
-    nothing here opens a file or can block."""
+    """Why ``fd`` may not be mapped as a peer's pool of ``nbytes`` (``""``: it may). Only looks at ``fd``: never
+    opens a file or blocks."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         return f"it sent a file of type {stat.filemode(st.st_mode)[0]!r}, not a regular file"
@@ -109,7 +97,7 @@ def check_memory_file(fd: int, nbytes: int, uid: int) -> str:
 
 @dataclass(eq=False)
 class MappedRegion:
-    """A peer's shared buffer mapped read-only here, with a handle that tells when the peer exits."""
+    """A peer's buffer mapped read-only, and a handle that tells when the peer exits."""
 
     pages: torch.Tensor  # uint8 ``[num_pages, page_bytes]``; writing through it faults: it is read-only
     pidfd: int
@@ -118,15 +106,14 @@ class MappedRegion:
         return exited(self.pidfd)
 
     def close(self) -> None:
-        """Forget the mapping: it is unmapped once no copy still holds ``pages``."""
+        """Forget the mapping: unmapped once no copy still holds ``pages``."""
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
 
 
 def map_read_only(fd: int, nbytes: int, page_bytes: int, pidfd: int) -> MappedRegion:
-    """Map the checked memory file ``fd`` read-only as pages of ``page_bytes``; ``pidfd`` watches its owner (the
-    mapping takes it over). No page is faulted in here: each copy faults in the pages it reads, and only those."""
+    """Map the checked ``fd`` read-only as pages of ``page_bytes``, taking over ``pidfd``; faults in nothing."""
     memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: that is the point
         warnings.simplefilter("ignore", UserWarning)
@@ -135,13 +122,12 @@ def map_read_only(fd: int, nbytes: int, page_bytes: int, pidfd: int) -> MappedRe
 
 
 def exited(pidfd: int) -> bool:
-    """Whether the process ``pidfd`` refers to has exited (its pidfd reads ready then)."""
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
 
 def _filesystem(fd: int) -> int:
-    """The ``f_type`` magic number of the filesystem ``fd`` lies on (``fstatfs``, which Python's os lacks)."""
+    """The ``f_type`` of the filesystem ``fd`` lies on (``fstatfs``, missing from os)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
     if _libc().fstatfs(fd, buf) != 0:
         errno = ctypes.get_errno()
@@ -150,7 +136,7 @@ def _filesystem(fd: int) -> int:
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> int:
-    """``madvise`` through ctypes, which lets go of the GIL for the call (the mmap module's method does not)."""
+    """``madvise`` through ctypes, which releases the GIL (mmap's method does not)."""
     return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), advice)
 
 

@@ -1,5 +1,6 @@
-"""Background tasks an object starts and must outlive: the loop keeps only weak references to tasks, so one
-that nobody holds can be garbage-collected mid-flight; a ``TaskSet`` holds them until they end."""
+"""Background tasks an object starts and must outlive: the loop keeps only weak references, so a ``TaskSet``
+holds them until they end.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -25,15 +26,14 @@ class TaskSet:
         return len(self._tasks)
 
     async def wait(self, timeout: float) -> None:
-        """Let the running tasks end, for up to ``timeout`` seconds (the caller cancels what is left, if it must)."""
+        """Let the running tasks end, for up to ``timeout`` seconds (the caller cancels the rest)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
 
 class SharedRun:
-    """At most one run of a coroutine at a time: callers that come while it runs, or within ``reuse_s`` of its
-    end, share its outcome (its result or its exception) instead of starting another. Bounds what an open,
-    uncounted route such as ``/health_generate`` can cost, however many callers hit it."""
+    """At most one run of a coroutine at a time: callers during a run, or within ``reuse_s`` of its end, share
+    its outcome. Bounds what an uncounted route such as ``/health_generate`` can cost."""
 
     def __init__(self, reuse_s: float) -> None:
         self.reuse_s = reuse_s

@@ -99,8 +99,8 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` ``[1, Hq, E, D]`` over ``k``/``v`` ``[1, Hkv, S, D]`` with a bottom-right ``CausalBias``: it keeps CUDA SDPA
-    on its fused kernels (a boolean mask falls back to math), which take no GQA, so K/V are repeated per head."""
+    """``q`` ``[1, Hq, E, D]`` over ``k``/``v`` ``[1, Hkv, S, D]``, bottom-right ``CausalBias``: it keeps CUDA SDPA on
+    its fused kernels (a boolean mask falls back to math), which take no GQA, so K/V are repeated per head."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
