@@ -1,3 +1,1 @@
-"""Builds the model, cache, scheduler and PD halves from the flags; the offline LLM drives the same scheduler.
-
-How the packages fit together: docs/architecture.md."""
+"""Builds the model, cache, scheduler and PD halves from the flags; the offline LLM drives the same scheduler."""

@@ -111,8 +111,7 @@ class Engine:
         self.ready, self.not_ready_reason = True, ""
 
     async def _expire_leases(self) -> None:
-        """Free expired prefill leases once a second. A failing pass is logged and the next one runs: were this task
-        to end, every later lease would be held forever."""
+        """Free expired prefill leases once a second; a failing pass is logged and never ends the task."""
         while True:
             await asyncio.sleep(1.0)
             try:
@@ -167,16 +166,15 @@ class Engine:
         scheduler.check_fits(inp)
 
     async def compile_grammar(self, inp: GenerateInput) -> CompiledGrammar | None:
-        """``inp``'s grammar, compiled off the event loop (once per grammar text); None when it has none.
-        RequestError naming the field when it cannot compile."""
+        """``inp``'s grammar compiled off the event loop (once per text), None without one; RequestError naming the
+        field when it cannot compile."""
         if inp.params.grammar is None:
             return None
         self.require_ready()
         return await self.grammars.compile(inp.params)
 
     async def submit(self, inp: GenerateInput) -> RequestStream:
-        """The route has run ``check_request`` and compiled the grammar before answering (so this finds it
-        compiled); the scheduler checks the fit again itself."""
+        """Expects ``check_request`` run and the grammar compiled by the route; the scheduler checks the fit again."""
         grammar = await self.compile_grammar(inp)
         return self.require_ready().submit(inp, grammar)
 
@@ -185,13 +183,11 @@ class Engine:
             self.scheduler.abort(rid)
 
     def live_requests(self) -> list[str]:
-        """Ids of the requests not yet answered."""
         return list(self.scheduler.requests) if self.scheduler is not None else []
 
     async def health_generate(self) -> None:
-        """Prove the loop serves: one token through the scheduler (decode role: the loop is stepping). The route
-        is open and uncounted, so one probe runs at a time and its outcome answers every caller until
-        ``HEALTH_REUSE_S`` after it ended: at most one one-token request per that interval, whoever calls."""
+        """Prove the loop serves with one token through the scheduler; open and uncounted, so one probe runs at a
+        time and answers every caller until ``HEALTH_REUSE_S`` after it ends."""
         self.require_ready()
         await self._health(self._probe)
 
@@ -228,7 +224,7 @@ class Engine:
         return info
 
     def get_load(self) -> dict:
-        """What a router balances on: live requests, queued requests and KV pages in use."""
+        """What a router balances on: live and queued requests, KV pages in use."""
         if self.scheduler is None:
             return {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         q = self.scheduler.queue_stats()

@@ -1,18 +1,7 @@
-"""Sends the cache's KV events (``cache/kv_events.py``) over ZMQ the way vLLM and SGLang do, so llm-d's KV-cache
-indexer and Dynamo's KV router read this worker as they read those engines.
+"""Sends the cache's KV events over ZMQ as vLLM and SGLang do, for llm-d's indexer and Dynamo's KV router.
 
-Wire format: each message is three frames, ``[topic, sequence number (8 bytes, big-endian, from 0), payload]``;
-the payload is msgpack ``[timestamp, [event, ...], data_parallel_rank]``, each event the positional array of
-``KVEvent.wire()``. An optional ROUTER socket replays recent batches: a client sends the first sequence number it
-missed (8 bytes, big-endian) and gets ``[seq, payload]`` for each buffered batch from there, then ``[-1, b""]``.
-
-The event loop only ever calls ``put``, which never blocks: events go into a bounded queue and a thread batches,
-encodes and sends them. A full queue drops the event and counts it (``dropped``, and ``on_drop`` for the
-metric), and a subscriber must be able to tell that it missed something: once the queue has room again the
-sender, at the place in the stream where events went missing, skips one sequence number (a gap no replay can
-fill: the lost events were never sent) and sends an ``AllBlocksCleared`` ahead of every later event, so a router forgets what it thought this worker held (under-counting it for a while rather
-than routing to pages that are gone) and rebuilds from the events that follow. A slow subscriber costs nothing
-here either, as a PUB socket drops past its high-water mark.
+The wire format, replay and what a drop looks like are in README.md ("KV events for KV-aware routers"). The event
+loop only calls ``put``, which never blocks: a bounded queue feeds one sender thread.
 """
 from __future__ import annotations
 
@@ -42,13 +31,12 @@ def encode_batch(events: list[KVEvent], ts: float, dp_rank: int = 0) -> bytes:
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host, an IPv6 any-address or a local transport binds; a concrete host connects
-    (llm-d's centralised mode: every worker connects to the indexer's bound socket)."""
+    """vLLM's rule: a wildcard host, an IPv6 any-address or a local transport binds; a concrete host connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
-    """A PUB socket (and an optional ROUTER for replay) fed from a bounded queue by one sender thread."""
+    """A PUB socket (and an optional replay ROUTER) fed by one sender thread."""
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, topic: str = "", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
@@ -80,7 +68,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def put(self, event: KVEvent) -> None:
-        """Queue one event; never blocks (the event loop calls it from the cache)."""
+        """Queue one event; never blocks. A full queue drops it and marks the place (sequence gap + clear)."""
         try:
             if self._lost:  # the first event queued after a drop goes behind a marker of the drop
                 self._queue.put_nowait(LOST)
@@ -136,7 +124,7 @@ class ZmqEventPublisher:
             seq = self._send(seq, batch)
 
     def _send(self, seq: int, events: list[KVEvent]) -> int:
-        """Send ``events`` as batch ``seq``; the next number (``seq`` itself when there was nothing to send)."""
+        """Send ``events`` as batch ``seq``; returns the next number (``seq`` itself when there was nothing)."""
         if not events:
             return seq
         try:

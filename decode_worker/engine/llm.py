@@ -1,8 +1,7 @@
 """Offline generation: the command-line path and the benchmark's engine.
 
-It drives the server's own ``Scheduler`` synchronously (``step_sync``: schedule, forward, postprocess; no event
-loop), colocated, with the radix cache on (or off: a cache-free reference) and no L2, so what it measures and
-tests is what the server runs.
+Drives the server's own ``Scheduler`` synchronously (``step_sync``), colocated and without L2, so what it
+measures is what the server runs.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ class GenerationOutput:
 
 
 class LLM:
-    """Loads a model and generates for a list of prompts, batching them as the server does."""
+    """Loads a model and generates for a list of prompts, batched as the server does."""
 
     def __init__(
         self,
@@ -47,8 +46,8 @@ class LLM:
         load_tokenizer: bool = True,
         prefix_cache: bool = True,
     ):
-        """Without a tokenizer (random-weight test models) prompts must be token ids and no text is returned.
-        Without ``prefix_cache`` no request reuses another's KV."""
+        """Without a tokenizer (random-weight test models) prompts must be token ids and no text comes back;
+        without ``prefix_cache`` no request reuses another's KV."""
         self.loaded = load_model(model_path, dtype=dtype, device=device, tokenizer=load_tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.config.eos_token_ids
@@ -77,8 +76,8 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
-        """Every prompt is checked (ValueError, e.g. ``PromptTooLong``) before any runs. The prefixes cached
-        meanwhile are dropped at the end, so a call's cost never depends on an earlier one."""
+        """Every prompt is checked (ValueError, e.g. ``PromptTooLong``) before any runs; prefixes cached meanwhile
+        are dropped at the end, so a call's cost never depends on an earlier one."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         inputs, grammars = [], []
         for prompt, p in zip(prompts, plist):
@@ -94,7 +93,7 @@ class LLM:
         return [self._output(inp, stream) for inp, stream in zip(inputs, streams)]
 
     def _grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """``params``' grammar compiled (ValueError naming it when it cannot be); None when it has none."""
+        """``params``' grammar compiled (ValueError naming it), or None."""
         if params.grammar is None:
             return None
         if self.grammars is None:
@@ -105,7 +104,7 @@ class LLM:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def _output(self, inp: GenerateInput, stream: RequestStream) -> GenerationOutput:
-        """The finished stream's tokens; raises the error it ended with."""
+        """The finished stream's tokens; raises its error."""
         ids, finish_reason = [], None
         while (event := stream.queue.get_nowait()) is not None:
             if event.error is not None:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
-    """The StorageTier the flags ask for, or None for ``--hicache-storage-backend none``."""
+    """The StorageTier the flags ask for, or None."""
     if cfg.hicache_storage_backend == "none":
         return None
     if cfg.hicache_storage_backend == "redis":
@@ -47,9 +47,8 @@ def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
 
 
 def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics) -> ZmqEventPublisher | None:
-    """The KV event publisher ``--kv-events-config`` asks for, fed by ``cache``'s tree; None when off (the tree
-    then pays one ``is None`` test per tier change). It opens with ``AllBlocksCleared``: a restarted worker
-    publishing on the same topic holds nothing. Events a full queue drops count in ``kv_events_dropped_total``."""
+    """The KV event publisher ``--kv-events-config`` asks for, or None. It opens with ``AllBlocksCleared``: a
+    restarted worker on the same topic holds nothing."""
     settings = cfg.kv_events
     if settings is None:
         return None
@@ -63,8 +62,8 @@ def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics
 
 
 def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
-    """A line per UCX flag set to something: they addressed the listener of the staged data plane, which NIXL
-    replaced. They stay accepted so existing deployments start, and are named so nobody thinks them honoured."""
+    """A line per UCX flag set: they configured the staged data plane NIXL replaced, and stay accepted (so
+    deployments start) but named (so nobody thinks them honoured)."""
     given = [(flag, value) for flag, value, default in (("--ucx-host", cfg.ucx_host, "127.0.0.1"),
                                                         ("--ucx-port", cfg.ucx_port, 0)) if value != default]
     return [f"{flag} {value} is not used: decode reads KV from prefill over NIXL, at the address in the prefill "
@@ -73,8 +72,7 @@ def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
 
 def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics,
             vocab_size: int) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
-    """The role's half of PD over a NIXL agent that registers ``pool`` once: the decode role's fetcher, the
-    prefill role's hand-off, or neither (colocated: NIXL is not even imported)."""
+    """The role's PD half over a NIXL agent that registers ``pool`` once (colocated: none, NIXL not imported)."""
     if cfg.role not in ("decode", "prefill"):
         return None, None
     from decode_worker.transfer.agent import KVAgent
