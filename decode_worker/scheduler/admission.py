@@ -1,10 +1,5 @@
-"""Admission: from the queue to loading, in FIFO order.
-
-While requests wait, the first few look up and prefetch from L3 (the lookahead; they are MATCHING meanwhile).
-The head is then matched against the cache without changing anything, its restore plus delta are checked
-against the L1 pages there are, and only then is its prefix locked, its load-back started and its delta
-allocated (``try_alloc``). Retracted requests go first; new ones wait while any is retracted.
-"""
+"""Admission: from the queue to loading, in FIFO order, retracted requests first. A request is matched without
+changing anything and checked against the free L1 pages; only then are its prefix locked and its delta allocated."""
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +38,8 @@ class Admission:
                           if has_storage(cache) else None)
 
     def look_ahead(self) -> None:
-        """Start the L3 lookups of the first queued requests, so their pages arrive while they wait, and what their
-        role can start early (decode: the handshake with prefill)."""
+        """Start the L3 lookups of the first queued requests, and what their role starts early (decode: the
+        handshake)."""
         if self.lookahead is not None:
             for req in self.lookahead.start(self.queues.prealloc):
                 self.queues.move(req, S.MATCHING)
@@ -52,12 +47,8 @@ class Admission:
             self.source.prepare(req, self.wakeup.set)
 
     def admit(self) -> None:
-        """Admit in queue order while batch slots and L1 pages allow.
-
-        A request whose prompt KV comes from a peer that has not answered yet is passed over: it could not start
-        anyway, and admitting it would hold L1 pages (and hold up the queue) for as long as its peer stalls, up to
-        the handshake timeout. The first other request waits for its prefetch as its policy says and, if it does
-        not fit, stops admission, so pages still go in queue order."""
+        """Admit in queue order while batch slots and L1 pages allow. A request whose peer has not answered is passed
+        over (it would hold L1 pages while its peer stalls); the first other one that does not fit stops admission."""
         while self.queues.admitted() < self.max_running:
             req = self._first_answered()
             if req is None or not self._settled(req) or not self.try_alloc(req):
@@ -70,8 +61,8 @@ class Admission:
 
     @staticmethod
     def _peer_windows(queue: Iterable[Req]) -> Iterator[Req]:
-        """The queued requests in order, each peer's first ``PEER_LOOKAHEAD`` only (a request with no peer always).
-        The whole queue is walked: the HTTP edge's --max-concurrent-requests bounds it."""
+        """The queued requests in order, each peer's first ``PEER_LOOKAHEAD`` only; the whole queue is walked
+        (--max-concurrent-requests bounds it)."""
         seen: Counter[tuple[str, int | None]] = Counter()
         for req in queue:
             boot = req.inp.bootstrap
@@ -89,7 +80,7 @@ class Admission:
             self.lookahead.settle(req, insert=False)
 
     def _settled(self, req: Req) -> bool:
-        """True once ``req`` is done with L3; a queued request waiting for its prefetch is MATCHING meanwhile."""
+        """True once ``req`` is done with L3 (it is MATCHING until then)."""
         if self.lookahead is None:
             return True
         settled = self.lookahead.settled(req)
@@ -100,8 +91,8 @@ class Admission:
         return settled
 
     def match_key(self, req: Req) -> bytes:
-        """Tokens whose cached KV the request can use, packed (``Sequence.key``). Locally computed requests need at
-        least their last token extended to get its logits; a received prompt gets KV for all of it."""
+        """The tokens whose cached KV the request can use, packed; a request computed here must extend at least
+        its last token, for its logits."""
         seq = req.seq
         if self.source.receives(req):
             return seq.key(len(seq.prompt_ids))
@@ -109,8 +100,8 @@ class Admission:
         return seq.key(seq.num_tokens - 1 if scored_from is None else min(seq.num_tokens - 1, scored_from))
 
     def try_alloc(self, req: Req) -> bool:
-        """Match, check the budget, lock and allocate; False (taking nothing) when it does not fit now. On
-        success the request is LOADING, or TRANSFERRING with its receive started."""
+        """Match, check the budget, lock and allocate; False, taking nothing, when it does not fit now. Then
+        the request is LOADING, or TRANSFERRING with its receive started."""
         seq, ps = req.seq, self.page_size
         receives = self.source.receives(req)
         match = self.cache.match(self.match_key(req))
@@ -138,8 +129,8 @@ class Admission:
         return True
 
     def _count_hits(self, req: Req) -> None:
-        """What the request found cached per tier: on L1, restored from L2, and the part of that restore its L3
-        prefetch brought into L2."""
+        """Cached pages found per tier: on L1, restored from L2, and the part of that its L3 prefetch
+        brought."""
         h, ps = req.handle, self.page_size
         span = req.fetch.span if req.fetch is not None else range(0)
         restored_from = req.prefix_pages - h.restored_tokens // ps  # restored pages end the prefix

@@ -34,9 +34,8 @@ def extend_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int,
 
 
 def decode_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int, ...]) -> Batch:
-    """Each request's last token, whose KV the forward writes (the last sampled one, or a prompt's last). The page
-    table comes from the requests' rows on the device, which hold their pages from earlier steps: only pages added
-    since go over; the scheduler frees a row when its request stops running (``runner.rows.release``)."""
+    """Each request's last token, whose KV the forward writes. The page table comes from the requests'
+    rows on the device, so only pages added since the last step go over."""
     seqs = [r.seq for r in reqs]
     last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
     fb = runner.build_decode([r.rid for r in reqs], last, [s.num_tokens - 1 for s in seqs], [s.pages for s in seqs])

@@ -1,13 +1,6 @@
-"""L3 lookahead: the first queued requests look up what the store holds past their L1 + L2 hit and prefetch it
-into L2 while they wait.
-
-The request admission takes next waits for its prefetch as the prefetch policy says; then the pages that arrived
-join the tree as host-only nodes, and admission proceeds as usual: the L2->L1 load-back restores them with the rest
-of the prefix. A request with a fetch that has not settled is MATCHING. ``best_effort`` waits only while waiting
-costs the request nothing, which admission sees to: on a decode worker it passes over a request until prefill has
-answered the handshake (the request cannot start before that anyway), so the prefetch lands meanwhile, and then
-``best_effort`` waits no more; on a colocated worker it does not wait at all. ``timeout`` and ``wait_complete`` wait
-up to their deadline.
+"""L3 lookahead: the first queued requests prefetch what the store holds past their L1 + L2 hit into L2 while
+they wait (MATCHING). ``best_effort`` waits only while waiting costs nothing (on decode until prefill answers,
+colocated not at all); ``timeout`` and ``wait_complete`` wait up to their deadline.
 """
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch 
 
 
 class StorageLookahead:
-    """The scheduler's L3 side. ``wakeup`` is set whenever a lookup or prefetch makes progress."""
+    """The scheduler's L3 side; ``wakeup`` is set at each lookup's or prefetch's progress."""
 
     def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], bytes],
                  wakeup: asyncio.Event):
@@ -35,8 +28,7 @@ class StorageLookahead:
         self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
 
     def start(self, queue: Iterable[Req]) -> list[Req]:
-        """Look the first queued requests up in L3 and start their prefetches, so pages arrive while they wait;
-        returns those whose lookup began."""
+        """Look the first queued requests up in L3 and start their prefetches; returns those whose lookup began."""
         started = []
         for req in itertools.islice(queue, STORAGE_LOOKAHEAD):
             fresh = req.fetch is None and not req.seq.output_ids and req.aborted is None
@@ -45,8 +37,8 @@ class StorageLookahead:
         return started
 
     def _start_fetch(self, req: Req, defer: bool) -> bool:
-        """Start the request's L3 lookup for the pages past its L1 + L2 hit. With ``defer``, a request whose next
-        page an earlier request is already fetching starts nothing (False): it looks again once that one settled."""
+        """Start the request's L3 lookup past its L1 + L2 hit; with ``defer``, not while an earlier request
+        fetches its next page (False: it looks again once that one settled)."""
         key = self.match_key(req)
         match = self.cache.match(key)
         keys = self.cache.storage_keys(match)
@@ -61,8 +53,7 @@ class StorageLookahead:
         return True
 
     async def _fetch(self, fetch: StorageFetch) -> None:
-        """Ask the store how much of the prefix it holds, move that into L2 and wait for it, up to the policy's
-        deadline (best_effort: none here; ``settled`` stops it once the request would wait for it)."""
+        """Ask the store how much of the prefix it holds and move that into L2, up to the policy's deadline."""
         waits = self.storage.policy.name != "best_effort"
         try:
             async with asyncio.timeout_at(fetch.deadline if waits else None):
@@ -80,7 +71,7 @@ class StorageLookahead:
             self.wakeup.set()
 
     def settled(self, req: Req) -> bool:
-        """True once the request is done with L3: its prefetch stopped and the pages that arrived are in the tree."""
+        """True once the request is done with L3: prefetch stopped, arrived pages in the tree."""
         if req.seq.output_ids:
             return True
         if req.fetch is None:

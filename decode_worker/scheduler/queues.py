@@ -1,8 +1,5 @@
-"""The scheduler's queues, one per group of lifecycle states; the only code that changes a request's state.
-
-``move`` checks the transition against the lifecycle and moves the request into the queue of its new state in
-the same call, so a request's state and the queue it sits in never disagree.
-"""
+"""The scheduler's queues, one per group of lifecycle states, and the only code that changes a request's
+state: ``move`` checks the transition and changes the queue in the same call, so the two never disagree."""
 from __future__ import annotations
 
 from collections import deque

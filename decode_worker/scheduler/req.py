@@ -1,10 +1,6 @@
-"""One request in the scheduler: its lifecycle state, the cache handle and pages it owns, and what it waits for
-(its L3 fetch, its KV transfer).
-
-Page ownership: the cache handle locks the matched prefix (pages the tree owns, the first ``prefix_pages`` of
-``seq.pages``); after the load-back the request owns the rest of ``seq.pages``. The full pages a request computed
-or received join the tree at once and the handle moves down to lock them (``cache_computed``), so concurrent
-requests sharing a fresh prefix hit them. Every exit goes through ``release``.
+"""One request in the scheduler: its lifecycle state, the pages it owns, what it waits for. The cache handle
+locks the matched prefix (the tree's pages, the first ``prefix_pages`` of ``seq.pages``); the request owns the
+rest. Every exit goes through ``release``.
 """
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ from decode_worker.scheduler.grammar import RowGrammar
 
 @dataclass(eq=False)
 class StorageFetch:
-    """One queued request's L3 lookup and prefetch. Owns ``host_pages`` until the request settles it; ``span``
-    then names the pages of the prompt that it put into the tree."""
+    """One queued request's L3 lookup and prefetch; owns ``host_pages`` until settled, when ``span``
+    names the prompt pages it put into the tree."""
 
     key: bytes  # the tokens the request matches with, packed (``Sequence.key``)
     from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
@@ -40,8 +36,8 @@ class StorageFetch:
 
 @dataclass(eq=False)
 class KVTransfer:
-    """What an admitted request waits for since ``since``: its prefix's L2->L1 load-back (through the cache
-    handle) and, when its role receives the prompt's KV, the task receiving it from prefill."""
+    """What an admitted request waits for since ``since``: its load-back and, on a receiving role, the task
+    receiving its prompt's KV."""
 
     since: float  # admission; the load-back deadline counts from here
     task: asyncio.Task[Prefilled | tuple[int, float]] | None = None  # returns prefill's first token and its logprob
@@ -83,8 +79,8 @@ class Req:
         self.seq.pages = self.handle.take_pages().tolist()
 
     def cache_computed(self, cache: PrefixCache, page_size: int) -> None:
-        """Put the new fully computed pages into the tree now rather than at finish, so concurrent requests
-        with the same prefix hit them (and this one drops its copy of a prefix another just cached)."""
+        """Put newly full computed pages into the tree now, not at finish, so concurrent requests with the
+        same prefix hit them."""
         seq = self.seq
         if seq.num_computed // page_size <= self.prefix_pages:
             return
@@ -93,7 +89,7 @@ class Req:
         self.prefix_pages, seq.pages = len(self.handle.device_indices), pages.tolist()
 
     def release(self, cache: PrefixCache, page_size: int, *, insert: bool = True, backup: bool = False) -> None:
-        """Give back everything the request holds; its fully computed pages go into the tree (``insert``), backed
+        """Give back everything the request holds; its full computed pages go into the tree (``insert``), backed
         up to L2 now with ``backup`` (a retraction)."""
         if self.handle is None:
             return

@@ -1,9 +1,6 @@
-"""What a worker's role changes in the scheduler: where a fresh prompt's KV comes from, and what happens once
-a prompt computed here has its first token.
-
-Colocated: an extend computes every prompt and decoding goes on (``Colocated``, here). Decode role: prompts
-arrive from prefill (``pd.decode.DeltaKVFetcher``), whose handshake starts while the request is queued. Prefill role: a PD request's KV is held for its decode peer
-(``pd.prefill.KVHandoff``). The PD halves live in ``pd/``, which imports the scheduler, never the reverse.
+"""What a worker's role changes in the scheduler: where a fresh prompt's KV comes from (``PromptSource``) and
+what happens at a computed prompt's first token (``PromptDone``). ``Colocated`` is here; the PD halves are in
+``pd/``, which imports the scheduler, never the reverse.
 """
 from __future__ import annotations
 
@@ -18,23 +15,23 @@ if TYPE_CHECKING:
 
 class PromptSource(Protocol):
     def receives(self, req: Req) -> bool:
-        """True when ``req``'s prompt KV is received rather than computed here by an extend. Then the request
-        matches its whole prompt, is allocated pages for all of it, and goes from TRANSFERRING to RUNNING."""
+        """True when ``req``'s prompt KV is received rather than computed here; it then matches its whole prompt
+        and goes from TRANSFERRING to RUNNING."""
         ...
 
     def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
-        """Start what can go ahead while ``req`` is queued (decode: the handshake, so prefill computes while the L3
-        prefetch runs); ``wakeup`` is called when it settles. Called every step for the first queued requests."""
+        """Start what can go ahead while ``req`` is queued (decode: the handshake) and call ``wakeup`` when it
+        settles; called every step for the first queued requests."""
         ...
 
     def answered(self, req: Req) -> bool:
-        """True once ``req`` could start (decode: prefill answered or the handshake failed). Admission passes over
-        a request until then; its L3 prefetch runs meanwhile."""
+        """True once ``req`` could start (decode: prefill answered or the handshake failed); admission passes
+        over it until then."""
         ...
 
     def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:
-        """Receive the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; returns prefill's first
-        token and its logprob, or raises RequestError. Called once per request that ``receives``."""
+        """Receive the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; return prefill's first token
+        and logprobs, or raise ``RequestError``. Called once per request that ``receives``."""
         ...
 
     def forget(self, req: Req) -> None:
@@ -44,9 +41,8 @@ class PromptSource(Protocol):
 
 class PromptDone(Protocol):
     def hold(self, req: Req) -> bool:
-        """Called when an extend gave ``req`` its first token and it goes on: True when its KV is to be held for
-        a decode peer (the scheduler answers the client and keeps the pages until ``release_held``), False
-        when it decodes on."""
+        """At ``req``'s first token from an extend: True to hold its KV for a decode peer (the client is answered,
+        the pages kept until ``release_held``), False to decode on."""
         ...
 
 

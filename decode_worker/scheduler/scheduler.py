@@ -1,18 +1,6 @@
-"""The continuous-batching scheduler: one for every role, driven by the server's event loop or, offline, by
-``step_sync``.
-
-A step is ``schedule()`` -> the runner forwards and samples each batch it yields -> ``postprocess(batch,
-sampled)``. It begins with housekeeping (tear down aborted requests, apply finished copies, L3 lookahead,
-admission, requests whose KV landed), then runs the extend batch, then the decode batch. On the loop the forward
-and the sampling run on a dedicated thread, which waits for the GPU and hands back Python lists: HTTP and UCX
-progress never stall behind a step, and the loop never touches a step's device tensors.
-
-Where things live: the lifecycle states (``core/lifecycle.py``) and their queues (``queues.py``), admission
-(``admission.py``), a request's pages and what it waits for (``req.py``), and what the role changes: received
-prompts on a decode worker, KV held for the decode peer on a prefill worker (``roles.py``).
-
-Long because the loading section (received prompts, prompt scoring, failed load-backs) still lives here: it moves
-out with the request record it mostly reads (``req.py``) in the shape work that follows.
+"""The continuous-batching scheduler, one for every role: ``schedule()`` yields batches, the forward thread runs
+each (HTTP and UCX never wait for a step), ``postprocess()`` applies it; ``step_sync`` drives it offline.
+Long because the loading section still lives here, beside the request record it reads (``req.py``).
 """
 from __future__ import annotations
 
@@ -113,7 +101,7 @@ class Scheduler:
             self._wakeup.set()
 
     def release_held(self, req: Req) -> None:
-        """Prefill role: the decode peer has the KV (or never came): cache the prompt's pages and free the rest."""
+        """Prefill role: the decode peer is done (or never came): cache the prompt's pages, free the rest."""
         if req.state is S.HELD:
             self.queues.move(req, S.FINISHED)
             req.release(self.cache, self.page_size)
@@ -173,7 +161,7 @@ class Scheduler:
             pass
 
     async def _step(self) -> bool:
-        """One step on the event loop, forwards and samples on the forward thread; True when it ran a batch."""
+        """One step, its forwards on the forward thread; True when it ran a batch."""
         loop, worked = asyncio.get_running_loop(), False
         for batch in self.schedule():
             self.postprocess(batch, await loop.run_in_executor(self._forward_thread, self._forward, batch))
@@ -181,7 +169,7 @@ class Scheduler:
         return worked
 
     def _forward(self, batch: Batch) -> SampleResult:
-        """Forward and sample ``batch``: the wait for the GPU happens in here, on the calling thread."""
+        """Forward and sample ``batch``, waiting for the device here."""
         reqs, started = batch.reqs, time.monotonic()
         params, generators = [r.seq.params for r in reqs], [r.seq.generator for r in reqs]
         mask = fill_mask([r.grammar for r in reqs], self.runner.config.vocab_size)
@@ -193,9 +181,8 @@ class Scheduler:
         return result
 
     def step_sync(self) -> bool:
-        """One step on the calling thread, without an event loop (the offline ``LLM``; colocated only, since
-        receiving or holding KV needs the loop). A failing step fails the live requests, as on the loop, and
-        raises."""
+        """One step without an event loop (the offline ``LLM``, colocated only); a failing step fails the live
+        requests and raises."""
         worked = False
         try:
             for batch in self.schedule():
@@ -208,10 +195,8 @@ class Scheduler:
         return worked
 
     def schedule(self) -> Iterator[Batch]:
-        """The step's batches, each picked once the one before was post-processed: after housekeeping, the
-        extend batch (requests whose KV is in place but not computed), then the decode batch (running requests
-        that got their next page). So a request whose extend just ran decodes in the same step, and a stream
-        of new prompts never starves decode."""
+        """The step's batches after housekeeping: extend, then decode, each picked once the one before was
+        post-processed, so a request just extended decodes in the same step and new prompts never starve decode."""
         self._housekeep()
         if self.queues.extend:
             yield self._extend_batch()
@@ -219,9 +204,8 @@ class Scheduler:
             yield batch
 
     def postprocess(self, batch: Batch, result: SampleResult) -> None:
-        """Apply a batch's sampled tokens: its KV is computed (an extend's full pages join the tree at once),
-        then emit and finish; an extended request decodes on, or is held for its decode peer. A request aborted
-        while its forward ran stays where it is, to be torn down at the next step."""
+        """Apply a batch's sampled tokens (an extend's full pages join the tree at once); a request aborted
+        during its forward is torn down at the next step."""
         extend = batch.kind is BatchKind.EXTEND
         for req in batch.reqs:
             req.seq.num_computed = req.seq.num_tokens
@@ -253,7 +237,7 @@ class Scheduler:
         self._check_loading()
 
     def _extend_batch(self) -> Batch:
-        """The head of the extend queue, as many requests as ``max_prefill_tokens`` allows (at least one)."""
+        """The head of the extend queue within ``max_prefill_tokens`` (at least one request)."""
         reqs, budget = [], self.max_prefill_tokens
         for req in self.queues.extend:
             new = req.seq.num_tokens - req.seq.num_computed
@@ -264,15 +248,15 @@ class Scheduler:
         return extend_batch(self.runner, reqs, self.eos_token_ids)
 
     def _decode_batch(self) -> Batch | None:
-        """The running requests that got the page their next token needs; None when none did."""
+        """The running requests that got their next page; None when none did."""
         ready = {req for req in sorted(self.queues.running, key=lambda r: -len(r.seq.output_ids))
                  if req.state is S.RUNNING and self._grow(req)}  # most progress first; _grow may retract others
         reqs = [r for r in self.queues.running if r in ready]
         return decode_batch(self.runner, reqs, self.eos_token_ids) if reqs else None
 
     def _grow(self, req: Req) -> bool:
-        """Give ``req`` the page its next token needs; retract the least advanced request when L1 is full.
-        False when ``req`` sits this step out: retracted, or waiting for pages that copies in flight free."""
+        """Give ``req`` the page its next token needs, retracting the least advanced request when L1 is full;
+        False when ``req`` sits this step out."""
         seq = req.seq
         while len(seq.pages) < seq.pages_needed(self.page_size):
             try:
@@ -289,7 +273,7 @@ class Scheduler:
         return True
 
     def _retract(self, req: Req) -> None:
-        """Free a running request's L1 pages (backing its KV up to L2 where possible) and queue it to resume."""
+        """Free a running request's L1 pages (backed up to L2 where possible) and queue it to resume."""
         self.queues.move(req, S.RETRACTED)
         self.runner.rows.release(req.rid)
         req.release(self.cache, self.page_size, backup=True)
@@ -310,7 +294,7 @@ class Scheduler:
                                                prompt_logprobs=prompt))
 
     def _scored_only(self, req: Req, prompt: PromptLogprobs | None) -> None:
-        """``max_new_tokens`` 0: the prompt is scored (its logprobs, when asked for) and nothing is generated."""
+        """``max_new_tokens`` 0: answer with the prompt's logprobs, generate nothing."""
         req.seq.finish_reason = {"type": "length", "length": 0}
         req.stream.queue.put_nowait(TokenEvent([], [], finish_reason=req.seq.finish_reason,
                                                cached_tokens=req.cached_tokens, prompt_logprobs=prompt))
@@ -319,9 +303,8 @@ class Scheduler:
     # ---- loading ----------------------------------------------------------------------------------------------
 
     def _check_loading(self) -> None:
-        """Admitted requests whose KV landed go on: a received prompt emits prefill's first token and runs, a
-        local one waits for its extend. A load-back past its deadline fails the request; a failed one makes it
-        match again."""
+        """Move on the admitted requests whose KV landed; fail a load-back past its deadline, match again
+        after a failed one."""
         now = time.monotonic()
         for req in list(self.queues.loading):
             if req.transfer.in_flight():
@@ -342,7 +325,7 @@ class Scheduler:
                 self.queues.move(req, S.EXTENDING)
 
     def _received(self, req: Req) -> None:
-        """The prompt's KV and prefill's first token arrived: its pages join the tree, the token is emitted."""
+        """Prefill's KV and first token arrived: cache the pages, emit the token."""
         first = self._transfer_result(req)
         if first is None:
             return
@@ -361,8 +344,8 @@ class Scheduler:
             self.queues.move(req, S.RUNNING)
 
     def _transfer_result(self, req: Req) -> Prefilled | tuple[int, float] | None:
-        """Prefill's first token and its logprob (and what else it sent); None, having failed the request, when the
-        transfer failed or the request was aborted."""
+        """Prefill's first token and what came with it; None, having failed the request, when the transfer
+        failed or it was aborted."""
         task = req.transfer.task
         if task.cancelled():
             self._fail(req, req.aborted or RequestError("KV transfer cancelled", 499, "aborted"))
@@ -376,8 +359,8 @@ class Scheduler:
         return None
 
     def _retry_after_failed_load(self, req: Req) -> None:
-        """A failed load-back leaves nothing in the tree; match again (a shorter hit), twice at most, then give
-        up. A received prompt's prefill already handed its room off, so it fails at once instead."""
+        """After a failed load-back, match again (twice at most); a received prompt fails at once,
+        its room already handed off."""
         if req.state is S.TRANSFERRING:
             self._fail(req, RequestError("restoring the cached prefix from L2 failed", 503, "unavailable"))
             return
@@ -392,7 +375,7 @@ class Scheduler:
     # ---- exits ------------------------------------------------------------------------------------------------
 
     def _hold(self, req: Req) -> None:
-        """Prefill role: answer the client now, keep the KV (pages stay locked) until ``release_held``."""
+        """Prefill role: answer the client now; the pages stay locked until ``release_held``."""
         self.queues.move(req, S.HELD)
         req.stream.queue.put_nowait(TokenEvent([], [], finish_reason={"type": "length", "length": 1}))
         self._close(req, "ok")
@@ -414,8 +397,8 @@ class Scheduler:
                 self._close(req, "error")
 
     def _fail(self, req: Req, error: RequestError) -> None:
-        """End ``req`` with ``error`` and free what it holds. A KV transfer still in flight may be writing into
-        its pages: then the transfer is cancelled and the request is failed once that task has ended."""
+        """End ``req`` with ``error`` and free what it holds; a KV transfer in flight may still write its pages, so it
+        is cancelled and the request fails once it ended."""
         if req.transfer is not None and req.transfer.in_flight():
             req.aborted = req.aborted or error
             req.transfer.task.cancel()

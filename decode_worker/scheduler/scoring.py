@@ -1,10 +1,6 @@
-"""Prompt logprobs: scoring a prompt's own tokens in the extend that computes it.
-
-The logits at position ``p`` give the log-probability of token ``p + 1``, so scoring the prompt from ``start``
-needs the logits of positions ``max(start, 1) - 1`` up to the last one, which the extend must compute itself: a
-request that scores its prompt matches the cache only up to that position (``computed_before``), and the extend
-returns those rows besides every other request's last one. The prompt's first token has no logprob (nothing
-precedes it): it is reported as None, never made up.
+"""Prompt logprobs, scored in the extend that computes the prompt. Position ``p``'s logits score token
+``p + 1``, so a scoring request matches the cache only up to its first needed position; the prompt's first
+token has no logprob and is reported as None.
 """
 from __future__ import annotations
 
@@ -21,8 +17,8 @@ from decode_worker.scheduler.req import Req
 
 
 def computed_before(req: Req) -> int | None:
-    """The last prompt position whose KV may come from the cache when ``req`` scores its prompt (the first whose
-    logits it needs); None when it does not score it, or already did (a resumed request has output)."""
+    """The last prompt position whose KV may come from the cache when ``req`` scores its prompt; None
+    when it does not, or already did (a resumed request)."""
     start = req.inp.logprob_start
     if start is None or req.seq.output_ids:
         return None
@@ -61,8 +57,8 @@ class ScoredExtend:
 
 
 def plan_scoring(reqs: list[Req], fb: ForwardBatch) -> ScoredExtend | None:
-    """Point ``fb``'s logits at the rows the scoring requests need (and everyone's last token); None, leaving
-    ``fb`` as it is, when no request in the batch scores its prompt."""
+    """Point ``fb``'s logits at the rows the scoring requests need (and everyone's last token); None, with
+    ``fb`` unchanged, when no request scores its prompt."""
     rows: list[int] = []
     sample_rows: list[int] = []
     scored: list[_Scored] = []

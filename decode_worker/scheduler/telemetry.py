@@ -1,5 +1,4 @@
-"""What the scheduler reports of each request as it goes: time to first token, time between tokens, tokens out,
-and, for one that finished, its whole latency and finish reason (``metrics.py`` declares the families)."""
+"""Per-request figures the scheduler reports as it goes (``metrics.py`` declares the families)."""
 from __future__ import annotations
 
 import logging
@@ -28,15 +27,14 @@ def record_token(metrics: Metrics, req: Req) -> None:
 
 
 def record_loaded(metrics: Metrics, req: Req) -> None:
-    """``req``'s load-back landed: how long its restore from L2 took since admission (nothing to report when it
-    restored nothing, or when its KV came from prefill: the transfer is timed on its own)."""
+    """``req``'s load-back landed: observe its L2 restore time since admission (none when it restored
+    nothing or received its KV: the transfer is timed apart)."""
     if req.state is ReqState.LOADING and req.handle.restored_tokens:
         metrics.load_back_seconds.observe(time.monotonic() - req.transfer.since)
 
 
 def record_close(metrics: Metrics, req: Req, outcome: str) -> None:
-    """``req`` was answered: ``ok`` (finished, or held for its decode peer, which reads as a length finish), or
-    an error."""
+    """``req`` was answered: ``ok`` (finished, or held for its decode peer: a length finish) or an error."""
     metrics.requests.labels(outcome).inc()
     if outcome == "ok":
         metrics.e2e_latency.observe(time.monotonic() - req.stream.created_at)
@@ -44,9 +42,8 @@ def record_close(metrics: Metrics, req: Req, outcome: str) -> None:
 
 
 def log_failure(req: Req, error: RequestError) -> None:
-    """One line for a request that ends without its answer: its id, its PD room, the status and the reason, so
-    a failure a client may not show (an error event in a 200 stream) is never silent. A client that left is
-    routine (info); anything else is a warning."""
+    """Log one line for a request ending without its answer (id, PD room, status, reason), so an error
+    event in a 200 stream is never silent; info for a client that left, else warning."""
     room = req.inp.bootstrap.room if req.inp.bootstrap is not None else "-"
     level = logging.INFO if error.status == 499 else logging.WARNING
     log.log(level, "request %s failed: room %s, %d %s: %s (%d tokens out)", req.rid, room, error.status, error.kind,
