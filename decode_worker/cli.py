@@ -28,8 +28,8 @@ def _missing_model(path: str) -> str:
 
 
 def check_model_path(path: str | None) -> None:
-    """Refuse a model the loader could not open before anything starts: the server loads it in the background,
-    where a bad path would only show as /health 503 until a probe gives up. None is the embedded model."""
+    """Refuse a model the loader could not open before anything starts (the server loads in the background,
+    where a bad path shows only as /health 503). None is the embedded model."""
     if path is None:
         return
     target = Path(path).expanduser()

@@ -1,7 +1,5 @@
-"""Server configuration: one pydantic-settings model. Every field is a `decode-worker serve` flag and reads
-`DECODE_WORKER_<FIELD>` from the environment when the flag is not given (`--some-flag`: `DECODE_WORKER_SOME_FLAG`).
-
-A value of the wrong type, from a flag or the environment, is a `ConfigError` naming that flag or variable.
+"""Server configuration: one pydantic-settings model; every field is a `decode-worker serve` flag, else
+`DECODE_WORKER_<FIELD>`. A wrongly typed value is a `ConfigError` naming its flag or variable.
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ _EXPECTED = {
 
 
 class ConfigError(ValueError):
-    """A setting or a combination of settings the server refuses to start with."""
+    """Settings the server refuses to start with."""
 
 
 def _opt(help: str, default: Any = None) -> Any:
@@ -38,8 +36,7 @@ def _opt(help: str, default: Any = None) -> Any:
 
 
 class ServerConfig(BaseSettings):
-    """What a worker runs with; built from flags and the environment by `config_from_args`, or in code (where it
-    still reads the environment for the fields not passed)."""
+    """What a worker runs with: from flags over the environment, or in code."""
 
     # An empty variable counts as unset: compose's `${VAR:-}` yields one.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True)
@@ -120,9 +117,7 @@ class ServerConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _resolve_dtype(self) -> ServerConfig:
-        """``auto``: bfloat16 on CUDA and on CPUs with native bf16 (``auto_dtype``), else float32; the choice and
-        its reason are logged and kept (``dtype_reason``) for the start-up line, which is logged after logging is
-        set up (this runs before)."""
+        """Resolve ``auto`` and keep the reason for the start-up line (logging is not set up yet here)."""
         if self.dtype != "auto":
             return self
         import torch  # only here: the config module stays light for `--help`
@@ -136,11 +131,11 @@ class ServerConfig(BaseSettings):
 
     @property
     def dtype_reason(self) -> str | None:
-        """Why ``--dtype auto`` chose ``dtype``; None for a dtype given explicitly."""
+        """Why ``--dtype auto`` chose ``dtype``; None for an explicit dtype."""
         return self._dtype_reason
 
     def validate(self) -> None:
-        """Combinations the types cannot express; each value's type was checked when the model was built."""
+        """Combinations the field types cannot express."""
         if self.disaggregation_decode_enable_hicache and not self.disaggregation_decode_enable_radix_cache:
             raise ConfigError(
                 "--disaggregation-decode-enable-hicache requires --disaggregation-decode-enable-radix-cache"
@@ -180,12 +175,11 @@ class ServerConfig(BaseSettings):
 
     @property
     def kv_events(self) -> dict[str, Any] | None:
-        """The KV event publisher's arguments from ``--kv-events-config``; None when events are off."""
         return kv_events_settings(self.kv_events_config)
 
     @property
     def radix_cache(self) -> bool:
-        """Colocated and prefill roles always reuse prefixes; the decode role only when asked."""
+        """Colocated and prefill roles always reuse prefixes; decode only when asked."""
         return self.role != "decode" or self.disaggregation_decode_enable_radix_cache
 
 
@@ -197,9 +191,8 @@ _KV_EVENTS_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
-    """Publisher arguments from ``--kv-events-config``, or None for off. Giving the flag turns events on (as in
-    SGLang) unless it says ``"publisher": "null"`` or ``"enable_kv_cache_events": false`` (as in vLLM). Unknown
-    keys and wrong types are refused by name."""
+    """Publisher arguments from ``--kv-events-config``, or None when off; unknown keys and wrong types are
+    refused by name."""
     if raw is None:
         return None
     try:
@@ -223,12 +216,12 @@ def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
 
 
 def mask_url(url: str) -> str:
-    """A ``redis://user:password@host`` URL with its credentials starred out, for logs and /server_info."""
+    """The URL with its credentials starred out."""
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def package_version() -> str:
-    """The installed distribution's version: pyproject.toml is its one source."""
+    """The installed distribution's version (pyproject.toml is its one source)."""
     return version("decode-worker")
 
 
@@ -247,7 +240,7 @@ def _enum_type(name: str) -> type[Enum] | None:
 
 
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
-    """pydantic-settings shows an enum's member names (DECODE); flags and env take its values (decode)."""
+    """Flags and env take an enum's values (decode), where pydantic-settings shows member names (DECODE)."""
     kind = _enum_type(kwargs.get("dest", ""))
     if kind is not None:
         kwargs["metavar"] = "{" + ",".join(m.value for m in kind) + "}"
@@ -257,14 +250,14 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Add every ServerConfig field to `parser` as a flag; `--help` shows its default and env variable."""
+    """Every ServerConfig field as a flag, ``--help`` showing its default and variable."""
     source = CliSettingsSource(ServerConfig, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True,
                                cli_show_env_vars=True, cli_hide_none_type=True, add_argument_method=_add_argument)
     parser.set_defaults(config_source=source)
 
 
 def _describe(error: ErrorDetails, given: set[str]) -> str:
-    """One line for one bad value, naming the flag or, when no flag gave it, the environment variable."""
+    """One line for a bad value, naming its flag or environment variable."""
     name = str(error["loc"][0])
     where = _flag(name) if name in given else _env_var(name)
     value = error.get("input")
@@ -284,12 +277,12 @@ def _build(given: set[str], **kwargs: Any) -> ServerConfig:
 
 
 def config_from_env() -> ServerConfig:
-    """The environment's settings alone, each value type-checked (combinations are not: flags may complete them)."""
+    """The environment's settings alone, type-checked (combinations are left to the flags)."""
     return _build(set())
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """Flags parsed by a parser `add_config_args` filled, over the environment, over the defaults; validated."""
+    """Flags over the environment over the defaults, validated."""
     given = {name for name in vars(args) if name in ServerConfig.model_fields}
     cfg = _build(given, _cli_settings_source=args.config_source(parsed_args=args))
     cfg.validate()

@@ -1,5 +1,6 @@
-"""`decode-worker up`: a local PD deployment on loopback (sglang-router, one prefill, one or more decode workers,
-and with several decode workers a redis-server as their shared L3)."""
+"""`decode-worker up`: a local PD deployment on loopback (sglang-router, prefill, decode workers, and a
+redis-server as shared L3 for several decode workers).
+"""
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,7 @@ class Stopping(Exception):  # noqa: N818 - a request to stop, not an error
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A child's pre-exec step: the kernel sends it SIGKILL when ``up`` dies, however ``up`` dies (even by
-    SIGKILL, which no handler sees). If ``up`` died before this ran, the child exits at once."""
+    """A child's pre-exec step: the kernel kills it when ``up`` dies, even by SIGKILL."""
     def arm() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
@@ -46,10 +46,8 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
 @dataclass
 class Deployment:
-    """Child processes of a local deployment, stopped together however ``up`` is stopped: each runs in its own
-    session (a terminal's Ctrl-C reaches only ``up``, which then stops them in order), a stop signal stops them
-    all with SIGTERM to their process groups, a second signal or ``STOP_GRACE_S`` escalates to SIGKILL, and the
-    kernel kills them if ``up`` itself dies."""
+    """Child processes stopped together however ``up`` stops; each in its own session, so Ctrl-C reaches only
+    ``up``, which stops them in order."""
 
     log_dir: Path
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -75,8 +73,7 @@ class Deployment:
         self.wait_ready(name, lambda: http_ok(url), url, timeout_s)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every child's process group, SIGKILL to what is left after ``grace_s`` or at once on a
-        second stop signal; returns once every child has exited."""
+        """SIGTERM each child's process group, SIGKILL after ``grace_s`` or a second signal; returns when all exited."""
         def kill_now(signum: int, _: object) -> None:
             print(f"{signal.Signals(signum).name} again: killing what is left", file=sys.stderr, flush=True)
             self._signal_all(signal.SIGKILL)
@@ -105,7 +102,7 @@ class Deployment:
                 pass
 
     def watch(self) -> None:
-        """Block until a child dies or we are told to stop."""
+        """Block until a child dies (RuntimeError) or a stop signal arrives."""
         while all(p.poll() is None for _, p in self.procs):
             time.sleep(0.5)
         dead = [n for n, p in self.procs if p.poll() is not None]
@@ -121,7 +118,7 @@ def http_ok(url: str) -> bool:
 
 
 def redis_ok(host: str, port: int) -> bool:
-    """A Redis PING answered, in the protocol's inline form: no client library needed to know it is up."""
+    """A Redis PING answered (inline protocol: no client library needed)."""
     try:
         with socket.create_connection((host, port), timeout=2) as s:
             s.sendall(b"PING\r\n")
@@ -131,8 +128,7 @@ def redis_ok(host: str, port: int) -> bool:
 
 
 def redis_command(host: str, port: int, workdir: Path, max_gb: float) -> list[str]:
-    """A redis-server used as a cache: no persistence, and past ``max_gb`` it drops the least recently used pages
-    (a missing page is an L3 miss, never an error)."""
+    """redis-server as a cache: no persistence, LRU past ``max_gb`` (a lost page is an L3 miss)."""
     return [shutil.which("redis-server") or "redis-server", "--bind", host, "--port", str(port), "--save", "",
             "--appendonly", "no", "--dir", str(workdir), "--maxmemory", f"{int(max_gb * 2**30)}",
             "--maxmemory-policy", "allkeys-lru", "--daemonize", "no"]
@@ -182,7 +178,7 @@ def shared_l3(args: argparse.Namespace) -> bool:
 
 
 def check_up_args(args: argparse.Namespace) -> None:
-    """Refuse, by flag name, settings that could only fail once processes are running."""
+    """Refuse by flag name what could only fail once processes run."""
     if args.decode_replicas < 1:
         raise ConfigError(f"--decode-replicas must be at least 1, not {args.decode_replicas}")
     ports = [args.port, args.prefill_port, *decode_ports(args)]
@@ -203,8 +199,7 @@ def check_up_args(args: argparse.Namespace) -> None:
 
 
 def router_auth(api_key: str) -> list[str]:
-    """sglang-router's --api-key: it then requires the key from clients and sends it to the workers on its own
-    calls (/server_info, /model_info) as on forwarded requests. It has no environment variable for it."""
+    """sglang-router's --api-key (it has no environment variable): required from clients and sent to workers."""
     return ["--api-key", api_key] if api_key else []
 
 
@@ -221,9 +216,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequence[int], metrics_port: int,
                    api_key: str = "", decode_policy: str | None = None) -> list[str]:
-    """sglang-router in PD mode over one prefill and the decode workers on ``host``. Its Prometheus exporter gets
-    ``metrics_port``: its own default, 29000, makes a second router on the host panic at start. ``decode_policy``
-    None keeps the router's default (cache_aware)."""
+    """sglang-router in PD mode; ``metrics_port`` explicit (its default makes a second router panic),
+    ``decode_policy`` None for the router's own."""
     decodes = [arg for p in decode_ports for arg in ("--decode", f"http://{host}:{p}")]
     policy = ["--decode-policy", decode_policy] if decode_policy else []
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -233,13 +227,12 @@ def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequen
 
 
 def storage_env(redis_url: str) -> dict[str, str]:
-    """The decode workers' shared L3, given through their environment: a password in the URL would show in ``ps``
-    on a command line."""
+    """The shared L3 URL through the environment (a password on a command line shows in ``ps``)."""
     return {f"{ENV_PREFIX}HICACHE_STORAGE_BACKEND": "redis", f"{ENV_PREFIX}HICACHE_STORAGE_URL": redis_url}
 
 
 def _start_redis(dep: Deployment, args: argparse.Namespace, env: dict[str, str]) -> str:
-    """The URL of the shared L3: the one given, or a redis-server started here on a free port."""
+    """The given shared L3 URL, or a redis-server's started here."""
     if args.redis_url is not None:
         return args.redis_url
     port = free_port(args.host)

@@ -1,7 +1,7 @@
-"""Prometheus metrics (prefix ``decode_worker_``). Hit rate per tier = cached_tokens_total{tier} / prompt_tokens_total.
+"""Prometheus metrics (prefix ``decode_worker_``).
 
-Request-level figures are counted as they happen; cache and queue figures are read from their owners at
-scrape time, so the exported numbers can never drift from the state they describe.
+Request figures are counted as they happen; cache and queue figures are read from their owners at scrape time,
+so they never drift from the state they describe.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ _OWN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 
 
 def cache_families(stats: CacheStats) -> dict:
-    """The cache's live metric families, read from its stats: pages per tier and state, tokens evicted and backed
-    up per tier, tokens loaded back and prefetched, L3 failures per op and reason."""
+    """The cache's live metric families, read from its stats."""
     storage, tokens = stats.storage, stats.tokens
     backed_up = {"host": tokens.backed_up}
     if storage is not None:
@@ -40,8 +39,7 @@ def cache_families(stats: CacheStats) -> dict:
 
 
 class _LiveCollector:
-    """Reads snapshots from callables at scrape time: the cache's metric families (``cache_families``) and the
-    scheduler's queues."""
+    """Reads the cache's and the scheduler's snapshots at scrape time."""
 
     def __init__(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]):
         self.cache_stats = cache_stats
@@ -122,8 +120,7 @@ class Metrics:
         self.registry.register(_LiveCollector(cache_stats, queue_stats))
 
     def collect(self):
-        """Every family, each series with a ``model_name`` label, as vLLM and SGLang export it, so a dashboard over
-        several models can tell them apart: one place instead of a label at every call site."""
+        """Every family with a ``model_name`` label on each series, as vLLM and SGLang export them."""
         for family in self.registry.collect():
             family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
             yield family
