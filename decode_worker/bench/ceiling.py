@@ -1,6 +1,4 @@
-"""The hit rate an unbounded cache reaches on a trace, at page granularity: the ceiling each mode's measured hit
-rate is read against. Requests count in send order; each one's KV (prompt plus every output token but the last,
-whose KV is never computed) is cached in full pages once it has been looked up, as the decode worker does."""
+"""The hit rate an unbounded cache reaches on a trace, at page granularity, caching as the decode worker does."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,8 +32,8 @@ class UnboundedCache:
 
 def unbounded_hit_rate(requests: Iterable[tuple[Sequence[int], Sequence[int]]], page_size: int,
                        warm: Iterable[tuple[Sequence[int], Sequence[int]]] = ()) -> float:
-    """Cached prompt tokens / prompt tokens over ``requests`` (prompt, output pairs in send order), after the
-    requests of ``warm`` (an earlier run whose KV a restarted pod finds in L3) have been cached."""
+    """Cached prompt tokens / prompt tokens over ``requests`` ((prompt, output) in send order),
+    after caching ``warm`` (an earlier run a restarted pod finds in L3)."""
     cache = UnboundedCache(page_size)
     for prompt, output in warm:
         cache.insert(prompt, output)

@@ -1,6 +1,5 @@
-"""The load generator: streamed `POST /generate` calls to the router, timed at the client, which is where a
-user sees TTFT and inter-token latency. Open loop over a prompt list (a concurrency cap, optionally Poisson
-arrivals), or closed loop per chat client."""
+"""The load generator: streamed `POST /generate` calls to the router, timed at the client, where a user
+sees TTFT and inter-token latency."""
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +43,8 @@ def _body(prompt: list[int], output_len: int, text: str | None) -> dict:
 
 async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
                    t0: float, text: str | None = None) -> RequestResult:
-    """One streamed request, as ids, or as ``text`` (``prompt``'s text, for a router that routes on text).
-    Chunks carry the output so far; errors come as a status or an error chunk."""
+    """One streamed request, as ids or ``text``; chunks carry the output so far, errors come as a status or an
+    error chunk."""
     start = time.perf_counter()
     res = RequestResult(prompt, start - t0)
     last = start
@@ -79,8 +78,8 @@ async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], o
 
 async def warm_up_request(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
                           deadline: float, text: str | None = None) -> None:
-    """One request that must succeed before a run: a fresh router may answer 503 for a moment after its /health
-    turns ready, so it is retried until ``deadline`` (monotonic time)."""
+    """One request that must succeed before a run, retried until ``deadline`` (monotonic): a fresh
+    router may answer 503 for a moment after its /health turns ready."""
     while (res := await generate(http, target, prompt, output_len, 0.0, text)).error is not None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"warm-up request failed: {res.error}")
@@ -95,8 +94,8 @@ def http_client(connections: int) -> httpx.AsyncClient:
 async def run_prompts(target: Target, prompts: list[list[int]], output_len: int, concurrency: int,
                       request_rate: float, seed: int, done: Callable[[], None],
                       texts: list[str] | None = None) -> list[RequestResult]:
-    """Send in list order: at most ``concurrency`` in flight, arrivals Poisson at ``request_rate`` per second
-    (all at once when it is infinite); as ``texts`` when given."""
+    """Open loop in list order: at most ``concurrency`` in flight, Poisson arrivals at ``request_rate``
+    per second (all at once when infinite); as ``texts`` when given."""
     rng = random.Random(f"arrivals-{seed}")
     gate = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
@@ -119,8 +118,8 @@ async def run_prompts(target: Target, prompts: list[list[int]], output_len: int,
 
 async def run_chat(target: Target, convs: list[Conversation], rounds: int, output_len: int,
                    done: Callable[[], None]) -> list[RequestResult]:
-    """Each client sends its rounds one after another; clients run side by side. A failed round ends that
-    conversation (the next one would have no answer to append)."""
+    """Closed loop: each client sends its rounds in turn, clients side by side; a failed round ends its
+    conversation."""
     t0 = time.perf_counter()
     results: list[RequestResult] = []
 

@@ -1,11 +1,5 @@
-"""`decode-worker bench`: the plan of a run (flags in ``args.py``), the deployments it starts and its outputs.
-
-The CPU default scales the reference (SGLang decode HiCache, Qwen3-32B on H200s: 16,384-token prefixes, 4,608-token
-suffixes, 350 output tokens, concurrency 8, ~162K tokens of device KV) down to SmolLM2 on a couple of cores, so
-that both shapes, the chat workload and every mode finish in about a quarter of an hour. `--reference` runs the
-reference's own shape (on a GPU, with a long-context model given by --model-path). `--scale-out` compares decode
-pod counts and routings instead of cache modes (bench/scale_out.py).
-"""
+"""`decode-worker bench`: a run's plan (flags in ``args.py``), its deployments and outputs. The CPU default,
+``--reference`` and ``--scale-out``: README, "Decode cache benchmark"."""
 from __future__ import annotations
 
 import argparse
@@ -81,8 +75,8 @@ def _check_context(longest: int, model) -> None:
 
 
 def _prefill_tokens(args: argparse.Namespace, s: Scale, workloads: list, l1: int) -> int:
-    """--prefill-l1-tokens, or every distinct prompt token of the largest workload plus each running request's
-    whole prompt and output (the reference's prefill holds its prefixes; --reference: the decode L1)."""
+    """--prefill-l1-tokens, or room for every distinct prompt token of the largest workload plus each
+    running request (the reference's prefill holds its prefixes; --reference: the decode L1)."""
     if args.prefill_l1_tokens or args.reference:
         return args.prefill_l1_tokens or l1
     seen = max(w.reusable_tokens for w in workloads)
@@ -264,7 +258,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_linked(args: argparse.Namespace) -> int:
-    """Every mode once per link (bench/linked.py); local only, said in one line, where no namespace can be made."""
+    """Every mode once per link (``linked.py``); local only, said in one line, where no namespace can be made."""
     from decode_worker.bench.link import LOCAL, Link, namespace_problem
     from decode_worker.bench.link_report import link_table
     from decode_worker.bench.linked import run_links

@@ -1,6 +1,5 @@
-"""A PD deployment per mode, started as `decode-worker up` starts one (``launch.Deployment``: prefill and
-decode workers, then sglang-router in PD mode, on loopback) but with each mode's decode cache flags, free ports,
-and workers that share no state but the L3 folder."""
+"""A PD deployment per mode, as `decode-worker up` starts one, with the mode's decode cache flags and free
+ports."""
 from __future__ import annotations
 
 import os

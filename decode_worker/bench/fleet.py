@@ -1,7 +1,5 @@
-"""The scale-out benchmark's deployment: one prefill and several decode workers (and a redis-server as their shared
-L3 when the routing asks for it), started once, with a router per row over the first N decode workers and the
-row's decode policy. Rows reuse the workers, their caches flushed and Redis emptied in between: starting five
-workers for each of nine rows would take longer than the rows."""
+"""The scale-out deployment: one prefill, several decode workers and optionally Redis as their shared L3,
+started once for all rows; a router per row."""
 from __future__ import annotations
 
 import os

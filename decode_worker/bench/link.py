@@ -1,11 +1,5 @@
-"""A rate-limited link between prefill and decode on one host: a private user + network namespace whose loopback
-carries a token-bucket qdisc, with the KV going over UCX's TCP transport so every byte of it crosses the bucket.
-
-The namespace is unprivileged (``unshare --user --net --map-root-user``): the bench runs a child process inside
-it, that child raises the namespace's loopback, shapes it with ``tc ... tbf`` and starts each mode's whole
-deployment there. The namespace goes away with its last process. ``local`` is the host's own loopback with the
-same-host data plane (a shared-memory mapping of prefill's pool), as ``decode-worker up`` runs.
-"""
+"""A rate-limited link on one host: an unprivileged user + network namespace whose loopback has a token bucket,
+the KV over UCX's TCP transport so every byte crosses it."""
 from __future__ import annotations
 
 import re
@@ -40,8 +34,8 @@ class Link:
         return self.bits_per_s / 1e9 if self.bits_per_s is not None else None
 
     def tbf(self) -> list[str]:
-        """The qdisc's arguments: a bucket of 4 ms at the rate (at least two 64 KB loopback packets), and a
-        queue of 200 ms, which TCP's own window keeps far from full."""
+        """The qdisc's arguments: a 4 ms bucket at the rate (at least two 64 KB loopback packets) and a 200 ms
+        queue, which TCP's window keeps far from full."""
         burst = max(128 << 10, int(self.bits_per_s / 8 * 0.004))
         return ["rate", f"{self.bits_per_s:.0f}bit", "burst", str(burst), "latency", "200ms"]
 

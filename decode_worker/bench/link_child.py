@@ -1,7 +1,5 @@
-"""The child of a shaped ``bench --link`` run, inside its own namespace (``python -m decode_worker.bench.link_child
-REQUEST.json``, started by ``linked.py``): shape the loopback, check a plain TCP stream against the rate, run every
-mode, write the rows. A module of its own so that the command and ``linked.py`` import each other in one direction.
-"""
+"""The child of a shaped ``bench --link`` run, inside its namespace (``python -m
+decode_worker.bench.link_child REQUEST.json``); a module apart so that imports run one way."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,5 @@
-"""The tables of a `bench --link` run: per workload, link and mode the link's configured and achieved rates, hit
-rates on both workers, KV received, TTFT and throughput; TTFT's parts with the decode worker's own share; the
-TTFT p50 saving of hier against radix and off per link, beside the reference's; and the TTFT model's check."""
+"""The tables of a `bench --link` run: rows per workload, link and mode, TTFT's parts, hier's saving per
+link beside the reference's, and the TTFT model's check."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,10 +1,5 @@
-"""`decode-worker bench --link`: every mode once per link. A shaped link's runs happen in a child process inside
-its own namespace (``python -m decode_worker.bench.link_child REQUEST.json``), which shapes the loopback, checks a
-plain TCP stream against the rate, runs the modes and writes its rows; ``local`` runs in this process.
-
-Each row carries its link, the configured rate and the KV rate one request alone achieved on that deployment;
-a shaped run whose TCP stream or KV probe is more than 20% off the configured rate fails.
-"""
+"""`decode-worker bench --link`: every mode once per link, a shaped one in a child process inside its own
+namespace (``link_child.py``)."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,4 @@
-"""The decode cache modes compared, as decode worker flags. Prefill is the same in every mode (its own radix
-cache is always on), so what changes between rows is only what the decode pod keeps and asks for."""
+"""The decode cache modes compared, as decode worker flags; prefill is the same in every mode."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,4 @@
-"""The PNG: per workload, the decode worker's hit rate per tier next to the unbounded ceiling (top) and the
-client's TTFT per mode (bottom: bar p50, whisker to p90)."""
+"""The PNG: per workload, hit rate per tier beside the unbounded ceiling, and TTFT per mode."""
 from __future__ import annotations
 
 import textwrap
@@ -45,8 +44,8 @@ def plot(rows: Sequence[Row], path: Path, title: str, column: Callable[[Row], st
 
 
 def plot_savings(rows: Sequence[Row], path: Path, title: str) -> None:
-    """`bench --link`: TTFT p50 saving of hier against radix and against off, per workload, over the links in
-    rate order (the same-host path last, at the rate its KV probe achieved)."""
+    """`bench --link`: hier's TTFT p50 saving against radix and off per workload, over the links in rate
+    order."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,5 +1,4 @@
-"""Prometheus text scraped from a worker's /metrics, and the difference of two scrapes: a run's own counts
-on a worker that served other requests before (its warm-up, earlier workloads)."""
+"""Prometheus text scraped from a worker's /metrics, and the difference of two scrapes: a run's own counts."""
 from __future__ import annotations
 
 import re
@@ -38,8 +37,8 @@ class Scrape:
         return self.get(histogram + "_sum") / count if count else None
 
     def quantile(self, histogram: str, q: float) -> float | None:
-        """The ``q`` quantile of a histogram's observations, as Prometheus's ``histogram_quantile`` estimates it:
-        linear inside the bucket it falls in, the last finite bound past it; None without observations."""
+        """The ``q`` quantile of a histogram's observations as ``histogram_quantile`` estimates it; None
+        without observations."""
         cumulative: dict[float, float] = {}
         for (name, labels), value in self.samples.items():
             if name == histogram + "_bucket":

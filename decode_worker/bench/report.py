@@ -1,5 +1,4 @@
-"""The run's outputs: one JSON line (every figure, for comparing later runs), Markdown tables (what a reader
-compares: hit rate against its ceiling, KV bytes, TTFT and throughput ratios, and where TTFT goes)."""
+"""The run's outputs: one JSON line with every figure, and Markdown tables of what a reader compares."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,6 @@
-"""One benchmark run: for each mode a fresh deployment (or the one the user gave), warmed up, then each workload
-replayed on emptied caches between scrapes of both workers' metrics.
-
-Workloads share a mode's deployment: caches are flushed between them (`POST /flush_cache` on both workers,
-which leaves L3 alone; the traces share no tokens, so L3 pages of one never serve another). The restart row
-replays each workload's second round on a fresh deployment over the L3 folder the storage row left.
+"""One benchmark run: per mode a deployment, warmed up, then each workload on emptied caches (L3 kept: the
+traces share no tokens) between scrapes of both workers' metrics; the restart row replays over the L3 the
+storage row left.
 """
 from __future__ import annotations
 
@@ -123,7 +120,7 @@ async def _kv_probe(plan: Plan, target: Target, ep: Endpoints, prompt_len: int) 
 
 
 async def _warm_up(plan: Plan, target: Target, prompt_len: int) -> None:
-    """First requests on a fresh worker pay one-off costs (allocator, kernels); they are kept out of the figures."""
+    """Keep a fresh worker's one-off costs (allocator, kernels) out of the figures."""
     rng = random.Random(f"warmup-{plan.seed}")
     deadline = time.monotonic() + 120
     async with http_client(WARMUP_REQUESTS) as http:
@@ -178,7 +175,7 @@ async def bench_mode(plan: Plan, mode: Mode, ep: Endpoints, history: History, fl
 
 def run(plan: Plan, spec: DeploySpec | None, given: Endpoints | None,
         progress: Callable[[str], Callable[[], None]]) -> list[Row]:
-    """Each mode on its own deployment from ``spec``, or the one deployment ``given`` (its caches left as they are)."""
+    """Each mode on its own deployment from ``spec``, or on the one ``given`` (its caches left as they are)."""
     history, rows = History(), []
     for mode in plan.modes:
         if given is not None:

@@ -1,11 +1,5 @@
-"""The scale-out benchmark: the shared-prefix trace through 1, 2, 4... decode pods behind one router, per routing
-(round robin, cache-aware, each with and without a shared L3), with the token hit rate summed over the pods.
-
-A pod's cache serves only the requests routed to it. Round robin sends each group's prompts to every pod in turn,
-so each pod computes (or receives) every prefix once; cache-aware routing keeps a prefix on the pod that has it;
-a shared L3 lets any pod restore a prefix another pod computed. Each row replays the trace on emptied caches
-(every worker flushed, Redis emptied) after a warm-up, and reads the pods' metrics before and after.
-"""
+"""The scale-out benchmark: the shared-prefix trace through 1, 2, 4... decode pods per routing, with and
+without a shared L3 (docs/scale-out.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -137,8 +131,8 @@ async def bench_row(plan: ScalePlan, routing: Routing, ep: FleetEndpoints,
 
 
 def run_scale_out(plan: ScalePlan, spec: DeploySpec, progress: Callable[[str], Callable[[], None]]) -> list[ScaleRow]:
-    """One fleet per L3 setting, sized for the most pods; a router per (pods, routing). Rows come back ordered by
-    pods, then routing, then trace."""
+    """One fleet per L3 setting, sized for the most pods, and a router per (pods, routing); rows ordered
+    by pods, routing, trace."""
     rows: list[ScaleRow] = []
     for shared in (False, True):
         routings = [r for r in plan.routings if r.shared_l3 == shared]

@@ -1,5 +1,4 @@
-"""The scale-out table: per trace, one row per (decode pods, routing) with the hit rate summed over the pods, what
-the prefill pushed, TTFT and how evenly the router spread the requests."""
+"""The scale-out table: a row per trace, decode pod count and routing."""
 from __future__ import annotations
 
 from collections.abc import Sequence

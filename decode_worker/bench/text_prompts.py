@@ -1,12 +1,5 @@
-"""Trace prompts sent as text whose tokens are known exactly.
-
-sglang-router's cache-aware policy matches a `/generate` request by its `text` field alone (a body of `input_ids`
-gives it nothing to match, and every such request looks alike), so the scale-out benchmark sends text. To keep the
-trace's token-exact prefixes and the unbounded ceiling computed on ids, prompts are drawn from words that
-tokenize back to themselves: whole words with a leading space, each its own token, which the pre-tokenizer splits
-apart again. A tokenizer without such words (a byte-level one) falls back to single letters; every prompt is
-checked, and one that does not come back as its ids stops the run.
-"""
+"""Trace prompts as text whose tokens are known exactly (cache-aware routing matches on text): words that
+tokenize back to themselves; a prompt that does not round-trip stops the run."""
 from __future__ import annotations
 
 import re

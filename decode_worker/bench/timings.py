@@ -1,12 +1,5 @@
-"""What the workers' own metrics say about one run: per-tier token hit rates, KV received from prefill, and
-TTFT split into the parts the exported histograms can tell apart (means, from each histogram's sum and count).
-
-The router sends a request to prefill and decode at once, so both workers' TTFT clocks start together:
-decode's TTFT holds prefill's (its queue, then its compute: the handshake waits for both), then the transfer,
-then what decode does besides (the handshake round trip, a load-back that outlasted the transfer, an admission
-that came after prefill was done). The client's TTFT adds the router and HTTP on top. Decode's own queue time
-runs alongside prefill's work, so it is shown apart and not subtracted.
-"""
+"""What the workers' own metrics say about one run: per-tier hit rates, KV received and TTFT's parts (means).
+The router starts both workers' TTFT clocks together, so decode's TTFT holds prefill's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +36,8 @@ class WorkerStats:
 
     @classmethod
     def of(cls, client_ttft_mean: float | None, decode: Scrape | None, prefill: Scrape | None) -> WorkerStats:
-        """``decode`` and ``prefill``: the difference of scrapes taken after and before the run, or None where
-        that worker's URL is unknown."""
+        """``decode`` and ``prefill``: scrapes after less before the run, None where a worker's URL is
+        unknown."""
         return cls(
             hit_rate=_hit_rates(decode) if decode else None,
             prefill_hit_rate=_ratio(prefill.get(P + "cached_tokens_total"), prefill.get(P + "prompt_tokens_total"))
@@ -58,8 +51,8 @@ class WorkerStats:
 
 
 def _decode_own(decode: Scrape) -> dict[str, float | None]:
-    """The decode worker's own share of each PD request's TTFT (prefill's answer in, first token out, less the
-    read), from its histogram: per-request quantiles, not a difference of means."""
+    """The decode worker's own share of each PD request's TTFT (answer in, first token out, less the
+    read), as per-request quantiles of its histogram."""
     name = P + "decode_own_seconds"
     return {"p50": decode.quantile(name, 0.5), "p99": decode.quantile(name, 0.99), "mean": decode.mean(name)}
 
@@ -82,8 +75,8 @@ def _minus(a: float | None, *parts: float | None) -> float | None:
 
 
 def ttft_parts(client: float | None, decode: Scrape | None, prefill: Scrape | None) -> dict[str, float | None]:
-    """Mean seconds per part; a part is None when a worker's metrics are missing. Differences are signed: each
-    mean is over that worker's own requests."""
+    """Mean seconds per part, None where a worker's metrics are missing; signed, since each mean is over that
+    worker's own requests."""
     decode_ttft = decode.mean(P + "ttft_seconds") if decode else None
     transfer = decode.mean(P + "kv_transfer_seconds") if decode else None
     prefill_ttft = prefill.mean(P + "ttft_seconds") if prefill else None

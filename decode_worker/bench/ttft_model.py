@@ -1,15 +1,5 @@
-"""A small model of TTFT in a PD deployment, fitted on a `bench --link` run and then applied to the reference's.
-
-    TTFT = fixed + a * (prompt * (1 - prefill hit) * seconds per computed token)
-                 + k * (prompt * (1 - decode hit) * KV bytes per token / link bytes per second)
-
-The seconds per computed token is prefill's measured compute part over the tokens it computed; ``a`` (prefill's
-queueing over its compute at this concurrency), ``k`` (how many transfers share the link at once) and ``fixed``
-(router, HTTP, the decode worker's own share) are fitted by least squares over every row's mean TTFT. The model
-checks itself against each row (within ``TOLERANCE`` of the measured mean, or it says by how much it misses)
-and predicts the reference's saving from its own KV size, lengths and prefill speed, with the hit rates this run
-measured (the caches keep the reference's ratios, so the hit rates carry over).
-"""
+"""The TTFT model of docs/ttft-model.md: fitted on a `bench --link` run's rows, checked per row within
+``TOLERANCE``, applied to the reference."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -99,8 +89,8 @@ def fit_and_check(rows: Sequence, settings: dict) -> Fit | None:
 
 
 def _reference(fit: Fit, rows: Sequence) -> list[dict]:
-    """The reference's TTFT per mode at each link rate, from this run's hit rates (the slowest shaped link's
-    rows: the one where decode's cache matters most, though hit rates barely differ between links)."""
+    """The reference's TTFT per mode at each link rate, from this run's hit rates on its slowest shaped link
+    (where decode's cache matters most)."""
     out = []
     ref = REFERENCE
     for workload in dict.fromkeys(r.workload for r in rows):

@@ -1,11 +1,5 @@
-"""The traces the benchmark replays, as token ids so lengths are exact and no tokenizer is needed.
-
-Shared prefix (SGLang's generated-shared-prefix shape): G groups of P prompts, each its group's prefix followed
-by a unique suffix, groups interleaved by a seeded shuffle. Its second round keeps the prefixes and the order
-and draws new suffixes: what a restarted pod sees from the same users.
-Multi-turn chat: each client sends a first message, then each round appends the answer it got and a new
-question; the next round of a conversation is only known once the previous answer is.
-"""
+"""The traces the benchmark replays, as token ids (exact lengths, no tokenizer): generated shared prefix and
+multi-turn chat."""
 from __future__ import annotations
 
 import random
@@ -45,9 +39,8 @@ def _tokens(rng: random.Random, n: int, vocab: int | Sequence[int]) -> list[int]
 
 
 def shared_prefix_trace(spec: SharedPrefixSpec, vocab: int | Sequence[int], round_: int = 0) -> list[Prompt]:
-    """The prompts in send order, over ``vocab`` (a vocabulary size, or the ids to draw from). Prefixes and order
-    depend on the seed and the shape (two shapes share no prefix, so L3 pages one left never serve the other),
-    suffixes also on the round."""
+    """The prompts in send order over ``vocab`` (a size or the ids to draw from); prefixes and
+    order depend on seed and shape, suffixes also on the round."""
     rng = random.Random(f"prefix-{spec.seed}-{spec.name}")
     prefixes = [_tokens(rng, spec.prefix_len, vocab) for _ in range(spec.groups)]
     order = [g for _ in range(spec.prompts_per_group) for g in range(spec.groups)]
