@@ -1,5 +1,5 @@
-"""Admission: from the queue to loading, in FIFO order, retracted requests first. A request is matched without
-changing anything and checked against the free L1 pages; only then are its prefix locked and its delta allocated."""
+"""Admission: from the queue to loading in FIFO order, retracted requests first; a request's prefix is locked
+and its delta allocated only once it fits (``try_alloc``)."""
 from __future__ import annotations
 
 import asyncio

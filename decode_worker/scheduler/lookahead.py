@@ -1,6 +1,6 @@
 """L3 lookahead: the first queued requests prefetch what the store holds past their L1 + L2 hit into L2 while
-they wait (MATCHING). ``best_effort`` waits only while waiting costs nothing (on decode until prefill answers,
-colocated not at all); ``timeout`` and ``wait_complete`` wait up to their deadline.
+they wait. ``best_effort`` waits only while waiting costs nothing (decode: until prefill answers; colocated:
+not at all).
 """
 from __future__ import annotations
 

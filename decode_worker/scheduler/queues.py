@@ -1,5 +1,5 @@
-"""The scheduler's queues, one per group of lifecycle states, and the only code that changes a request's
-state: ``move`` checks the transition and changes the queue in the same call, so the two never disagree."""
+"""The scheduler's queues, one per group of lifecycle states; ``move`` is the only code that changes a
+request's state, and it changes its queue in the same call."""
 from __future__ import annotations
 
 from collections import deque

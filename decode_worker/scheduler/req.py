@@ -1,6 +1,6 @@
-"""One request in the scheduler: its lifecycle state, the pages it owns, what it waits for. The cache handle
-locks the matched prefix (the tree's pages, the first ``prefix_pages`` of ``seq.pages``); the request owns the
-rest. Every exit goes through ``release``.
+"""One request in the scheduler: its state, its pages, what it waits for. The handle locks the matched prefix
+(the first ``prefix_pages`` of ``seq.pages``, the tree's); the request owns the rest; every exit goes through
+``release``.
 """
 from __future__ import annotations
 

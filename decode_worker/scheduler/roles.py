@@ -1,7 +1,5 @@
-"""What a worker's role changes in the scheduler: where a fresh prompt's KV comes from (``PromptSource``) and
-what happens at a computed prompt's first token (``PromptDone``). ``Colocated`` is here; the PD halves are in
-``pd/``, which imports the scheduler, never the reverse.
-"""
+"""What a worker's role changes in the scheduler: where a fresh prompt's KV comes from and what happens at a
+computed prompt's first token. The PD halves live in ``pd/``, which imports this, never the reverse."""
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
@@ -47,7 +45,7 @@ class PromptDone(Protocol):
 
 
 class Colocated:
-    """The colocated role, and the local half of each PD role: prompts are computed here, decoding goes on."""
+    """The colocated role, and the local half of each PD role."""
 
     def receives(self, req: Req) -> bool:
         return False

@@ -1,6 +1,6 @@
 """The continuous-batching scheduler, one for every role: ``schedule()`` yields batches, the forward thread runs
-each (HTTP and UCX never wait for a step), ``postprocess()`` applies it; ``step_sync`` drives it offline.
-Long because the loading section still lives here, beside the request record it reads (``req.py``).
+each, ``postprocess()`` applies it. Long because the loading section still lives here, beside the request
+record it reads (``req.py``).
 """
 from __future__ import annotations
 

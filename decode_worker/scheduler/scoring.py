@@ -1,7 +1,5 @@
-"""Prompt logprobs, scored in the extend that computes the prompt. Position ``p``'s logits score token
-``p + 1``, so a scoring request matches the cache only up to its first needed position; the prompt's first
-token has no logprob and is reported as None.
-"""
+"""Prompt logprobs, scored by the extend that computes the prompt, so a scoring request matches the cache only
+up to the first position whose logits it needs; the first token's logprob is None."""
 from __future__ import annotations
 
 from dataclasses import dataclass
