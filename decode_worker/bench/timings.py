@@ -1,5 +1,7 @@
 """What the workers' own metrics say about one run: per-tier hit rates, KV received and TTFT's parts (means).
-The router starts both workers' TTFT clocks together, so decode's TTFT holds prefill's."""
+The router starts both workers' TTFT clocks together, so decode's TTFT holds prefill's; decode's own queue time
+runs alongside prefill's and is shown apart, not subtracted.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
