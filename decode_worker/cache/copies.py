@@ -1,5 +1,6 @@
-"""Copies in flight between L1 and L2, in submission order (the order the engine runs and the cache applies
-them in). Applying an outcome to the tree is ``HierarchicalCache``'s job.
+"""Copies in flight between L1 and L2, oldest first. The engine may finish a load before backups queued ahead of
+it; the cache applies each copy once it and the copies it depends on are done. Applying an outcome to the tree is
+``HierarchicalCache``'s job.
 """
 from __future__ import annotations
 
@@ -46,9 +47,12 @@ class CopiesInFlight:
         self.queue.append(op)
 
     def finished(self) -> Iterator[PendingCopy]:
-        """Take out the copies that have finished, in submission order, stopping at the first still running."""
-        while self.queue and self.queue[0].future.done():
-            yield self.queue.popleft()
+        """Take out, oldest first, the copies that have finished and whose dependencies were taken out before
+        (a copy's dependencies are older than it, so one pass finds them all)."""
+        for op in list(self.queue):
+            if op.future.done() and all(d.ok is not None for d in op.deps):
+                self.queue.remove(op)
+                yield op
 
     def futures(self) -> list[Future]:
         return [op.future for op in self.queue]

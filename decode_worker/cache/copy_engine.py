@@ -1,11 +1,14 @@
-"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop,
-strictly in submission order: a load-back queued after a backup of the same host pages reads the finished backup.
+"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop. A
+load-back (on a request's critical path) runs ahead of queued backups (off it) unless it touches their pages.
 """
 from __future__ import annotations
 
+import copy
+import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Protocol
 
@@ -20,7 +23,8 @@ STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes 
 
 
 class PageCopier(Protocol):
-    """What the cache asks of a copy engine: copies by page ids, in submission order, each a future."""
+    """What the cache asks of a copy engine: copies by page ids, each a future. Copies that touch the same pages
+    run in submission order (a load of host pages after the backup writing them reads the finished backup)."""
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future: ...
 
@@ -29,8 +33,87 @@ class PageCopier(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(eq=False)
+class CopyJob:
+    """One queued copy: ``kind`` "load" (host -> device) or "backup" (device -> host)."""
+
+    kind: str
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    after: "torch.cuda.Event | None" = None  # the caller's stream work it must follow
+    future: Future = field(default_factory=Future)
+    seq: int = 0  # submission order, set by the queue
+
+
+class CopyQueue:
+    """Copies not yet started, in the order they run: loads first-in first-out, backups likewise, and a load
+    ahead of the backups queued before it unless one of them writes host pages it reads or reads device pages it
+    writes (then the backups up to that one run first). Not thread-safe: the engine holds a lock around it."""
+
+    def __init__(self, device_pages: int, host_pages: int):
+        self.loads: deque[CopyJob] = deque()
+        self.backups: deque[CopyJob] = deque()
+        self._submitted = 0
+        self._host_written = np.zeros(host_pages, dtype=np.int32)  # per L2 page: queued backups writing it
+        self._device_read = np.zeros(device_pages, dtype=np.int32)  # per L1 page: queued backups reading it
+
+    def __len__(self) -> int:
+        return len(self.loads) + len(self.backups)
+
+    def push(self, job: CopyJob) -> None:
+        job.seq, self._submitted = self._submitted, self._submitted + 1
+        if job.kind == "load":
+            self.loads.append(job)
+        else:
+            self.backups.append(job)
+            self._count(job, 1)
+
+    def pop(self) -> CopyJob | None:
+        """The copy to run next, or None when none is queued."""
+        if self.loads and not self.waits_for_backup(self.loads[0]):
+            return self.loads.popleft()
+        if self.backups:
+            job = self.backups.popleft()
+            self._count(job, -1)
+            return job
+        return None
+
+    def waits_for_backup(self, load: CopyJob) -> bool:
+        """A backup queued before ``load`` writes host pages it reads or reads device pages it writes."""
+        if not (self._host_written[load.host_pages].any() or self._device_read[load.device_pages].any()):
+            return False  # the usual case, in one look per page; else find whether an older backup is the one
+        for backup in self.backups:
+            if backup.seq > load.seq:
+                return False
+            if np.isin(load.host_pages, backup.host_pages).any() or np.isin(load.device_pages,
+                                                                            backup.device_pages).any():
+                return True
+        return False
+
+    def order(self) -> list[CopyJob]:
+        """Every queued copy in the order ``pop`` hands them out (on a copy of the queue: nothing changes)."""
+        plan = copy.copy(self)
+        plan.loads, plan.backups = deque(self.loads), deque(self.backups)
+        plan._host_written, plan._device_read = self._host_written.copy(), self._device_read.copy()
+        return list(iter(plan.pop, None))
+
+    def take_all(self) -> list[CopyJob]:
+        """Empty the queue, returning what it held (``close`` cancels them)."""
+        jobs = [*self.loads, *self.backups]
+        self.loads.clear()
+        self.backups.clear()
+        self._host_written[:] = 0
+        self._device_read[:] = 0
+        return jobs
+
+    def _count(self, job: CopyJob, step: int) -> None:
+        self._host_written[job.host_pages] += step  # a copy's pages are distinct: one count each
+        self._device_read[job.device_pages] += step
+
+
 class CopyEngine:
-    """``PageCopier`` on one worker thread."""
+    """``PageCopier`` on one worker thread: each submission queues its copy in a ``CopyQueue`` and one task on
+    the thread, which runs whichever copy the queue hands out first."""
 
     def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor, staging_bytes: int = STAGING_BYTES):
         self.device_buffer = device_buffer
@@ -38,17 +121,48 @@ class CopyEngine:
         self._stream = torch.cuda.Stream(device_buffer.device) if device_buffer.is_cuda else None
         direct = self._stream is None or host_buffer.is_pinned()  # a pageable L2 pool cannot take async DMA
         self.staging = None if direct else Staging(device_buffer, staging_bytes, self._stream)
+        self.pending = CopyQueue(device_buffer.shape[0], host_buffer.shape[0])
+        self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
-        """Host ``src`` -> device ``dst`` through the slots; returns once every chunk is in place."""
-        return self._executor.submit(self._copy, self.host_buffer, self.device_buffer, host_pages, device_pages,
-                                     self._caller_event())
+        """L2 -> L1."""
+        return self._submit(self._job("load", device_pages, host_pages))
 
     def backup(self, device_pages: PageIds, host_pages: PageIds) -> Future:
         """L1 -> L2."""
-        return self._executor.submit(self._copy, self.device_buffer, self.host_buffer, device_pages, host_pages,
-                                     self._caller_event())
+        return self._submit(self._job("backup", device_pages, host_pages))
+
+    def _job(self, kind: str, device_pages: PageIds, host_pages: PageIds) -> CopyJob:
+        device_pages, host_pages = (np.asarray(p, dtype=np.int64) for p in (device_pages, host_pages))
+        return CopyJob(kind, device_pages, host_pages, self._caller_event())
+
+    def _submit(self, job: CopyJob) -> Future:
+        with self._lock:
+            self.pending.push(job)
+        self._executor.submit(self._run_next)
+        return job.future
+
+    def _run_next(self) -> None:
+        with self._lock:
+            job = self.pending.pop()
+        if job is not None:
+            self.run_job(job)
+
+    def run_job(self, job: CopyJob) -> None:
+        """Run one copy and settle its future (a copy cancelled meanwhile does not run)."""
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if job.kind == "load":
+            args = (self.host_buffer, self.device_buffer, job.host_pages, job.device_pages)
+        else:
+            args = (self.device_buffer, self.host_buffer, job.device_pages, job.host_pages)
+        try:
+            self._copy(*args, job.after)
+        except BaseException as exc:  # noqa: BLE001 - the future carries it to the cache
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(None)
 
     def _caller_event(self) -> "torch.cuda.Event | None":
         """Marks the caller's queued stream work: the copy must not touch those pages before it is done."""
@@ -59,7 +173,12 @@ class CopyEngine:
         return event
 
     def close(self) -> None:
+        """Finish the copy running, cancel those still queued."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            jobs = self.pending.take_all()
+        for job in jobs:
+            job.future.cancel()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
               after: "torch.cuda.Event | None" = None) -> None:
@@ -77,7 +196,6 @@ class CopyEngine:
             self.staging.backup(src, dst, src_pages, dst_pages)
         else:
             self.staging.load(src, dst, src_pages, dst_pages)
-
 
     def _direct(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
         """Device <-> pinned L2: one async copy per run of consecutive pages on the copy stream, no staging."""

@@ -71,7 +71,7 @@ class LoadHandle:
     restored_tokens: int
     waits: list[PendingCopy]
     page_size: int
-    settle: Callable[[], object]  # applies finished copies, in order (the cache's ``poll``)
+    settle: Callable[[], object]  # applies finished copies (the cache's ``poll``)
     released: bool = False
 
     @property
@@ -89,7 +89,7 @@ class LoadHandle:
             for f in done:
                 if not f.cancelled():
                     f.exception()  # retrieved so asyncio does not log it; reported below as LoadBackError
-            self.settle()  # copies finish in order, so everything up to ours is done
+            self.settle()  # the copies ours depend on ran before them, so ours apply now
         if not all(op.ok for op in self.waits):
             raise LoadBackError(f"load-back of a {self.prefix_tokens}-token prefix failed")
 

@@ -326,7 +326,7 @@ class HierarchicalCache:
     # -- finished copies --------------------------------------------------------------------------------------------
 
     def poll(self) -> int:
-        """Apply finished copies in submission order; returns how many. Cheap: called each step."""
+        """Apply finished copies, each after those it depends on; returns how many. Cheap: called each step."""
         done = 0
         for op in self.copies.finished():
             self._finish(op)

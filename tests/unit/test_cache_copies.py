@@ -1,5 +1,5 @@
-"""The bookkeeping of copies in flight on its own (bare nodes and futures, no tree, no cache): copies come out in
-submission order and only once finished, a load's dependencies, a split keeping the copies current, and the
+"""The bookkeeping of copies in flight on its own (bare nodes and futures, no tree, no cache): copies come out
+once finished and after their dependencies, a load's dependencies, a split keeping the copies current, and the
 locks backups hold."""
 from __future__ import annotations
 
@@ -25,16 +25,28 @@ def done(result=None, exc: Exception | None = None) -> Future:
     return f
 
 
-def test_finished_copies_come_out_in_submission_order_stopping_at_one_still_running():
+def test_finished_copies_come_out_oldest_first_each_after_its_dependencies():
     copies = CopiesInFlight()
-    first, second, third = (PendingCopy("backup", [], []) for _ in range(3))
+    backup, waiting = PendingCopy("backup", [], []), PendingCopy("backup", [], [])
+    overtaking = PendingCopy("load", [], [])  # a load run ahead of the running backup
+    dependent = PendingCopy("load", [], [], deps=[waiting])  # done, but its dependency is still running
     running = Future()
-    copies.add(first, done())
-    copies.add(second, running)
-    copies.add(third, done())  # finished, but queued behind a running copy
-    assert list(copies.finished()) == [first] and len(copies) == 2
+    copies.add(backup, done())
+    copies.add(waiting, running)
+    copies.add(overtaking, done())
+    copies.add(dependent, done())
+    assert apply(copies) == [backup, overtaking] and list(copies.queue) == [waiting, dependent]
     running.set_result(None)
-    assert list(copies.finished()) == [second, third] and not copies.queue
+    assert apply(copies) == [waiting, dependent] and not copies.queue
+
+
+def apply(copies: CopiesInFlight) -> list[PendingCopy]:
+    """Take out the finished copies, settling each as the cache does (in the same pass)."""
+    out = []
+    for op in copies.finished():
+        op.ok = True
+        out.append(op)
+    return out
 
 
 def test_a_copy_fails_with_its_future_or_a_failed_dependency():

@@ -17,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import struct
 import zlib
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,13 +27,13 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
 )
 
 from decode_worker.cache.copies import PendingCopy
-from decode_worker.cache.copy_engine import CopyEngine
+from decode_worker.cache.copy_engine import CopyEngine, CopyJob, CopyQueue
 from decode_worker.cache.hicache import HierarchicalCache, LoadBackError, LoadHandle
 from decode_worker.cache.node import token_key
 from decode_worker.cache.pool import KVLayout, KVPool, OutOfPages
@@ -79,49 +78,64 @@ def page_prefixes(tokens: tuple[int, ...], n_tokens: int) -> list[tuple[int, ...
 
 @dataclass(eq=False)
 class Copy:
-    future: Future
-    args: tuple = field(repr=False)
+    job: CopyJob = field(repr=False)
+    seq: int  # submission order
     fail: bool = False  # set by a rule: the copy raises instead of copying
+
+    @property
+    def future(self) -> Future:
+        return self.job.future
 
 
 class ManualEngine(CopyEngine):
-    """The real copy code, run in submission order when the test calls ``run``; a copy marked ``fail`` raises.
+    """The real copy code, run in the real engine's order (its ``CopyQueue``: a load-back ahead of queued backups
+    that do not touch its pages) when the test calls ``run``; a copy marked ``fail`` raises.
 
     A copy that raises by itself (the cache handed it bad pages) fails its future, as the copy thread would, and
     is kept in ``errors`` for the checks to report."""
 
     def __init__(self, device: KVPool, host: KVPool):
         super().__init__(device.buffer, host.buffer)
-        self.queue: deque[Copy] = deque()
+        self.copies: dict[CopyJob, Copy] = {}
+        self.submitted = 0
         self.errors: list[Exception] = []
 
-    def load(self, host_pages, device_pages) -> Future:
-        return self._enqueue(self.host_buffer, self.device_buffer, host_pages, device_pages)
+    def _submit(self, job: CopyJob) -> Future:
+        self.pending.push(job)
+        self.copies[job] = Copy(job, self.submitted)
+        self.submitted += 1
+        return job.future
 
-    def backup(self, device_pages, host_pages) -> Future:
-        return self._enqueue(self.device_buffer, self.host_buffer, device_pages, host_pages)
-
-    def _enqueue(self, *args) -> Future:
-        self.queue.append(Copy(Future(), args))
-        return self.queue[-1].future
+    @property
+    def queue(self) -> list[Copy]:
+        """Queued copies in the order they will run."""
+        return [self.copies[job] for job in self.pending.order()]
 
     def head(self, n: int) -> list[Copy]:
-        return list(itertools.islice(self.queue, n))
+        return self.queue[:n]
 
     def run(self, n: int | None = None) -> None:
-        """Finish the first ``n`` copies (all by default); the cache sees them at its next poll."""
-        for _ in range(len(self.queue) if n is None else min(n, len(self.queue))):
-            copy = self.queue.popleft()
+        """Finish the next ``n`` copies (all by default); the cache sees them at its next poll."""
+        for _ in range(len(self.pending) if n is None else min(n, len(self.pending))):
+            self.note_overtaking()
+            copy = self.copies.pop(self.pending.pop())
             if copy.fail:
                 copy.future.set_exception(RuntimeError("injected copy failure"))
                 continue
-            try:
-                self._copy(*copy.args)
-            except Exception as exc:  # noqa: BLE001 - reported by the checks, after the future carries it
-                self.errors.append(exc)
-                copy.future.set_exception(exc)
-            else:
-                copy.future.set_result(None)
+            self.run_job(copy.job)
+            if copy.future.exception() is not None:
+                self.errors.append(copy.future.exception())
+
+    def note_overtaking(self) -> None:
+        """Count the next copy's branch: a load-back overtaking older backups, or a backup run first because the
+        oldest load-back touches its pages."""
+        loads, backups = self.pending.loads, self.pending.backups
+        if not (loads and backups):
+            return
+        if self.pending.waits_for_backup(loads[0]):
+            HITS["load_waits_for_backup"] += 1
+        elif self.copies[backups[0]].seq < self.copies[loads[0]].seq:
+            HITS["load_overtakes_backup"] += 1
 
 
 @dataclass
@@ -180,6 +194,8 @@ class CacheMachine(RuleBasedStateMachine):
         "host_fill_oversized", "host_alloc_refused",  # alloc_host larger than L2 / refused
         "host_attach_connected", "host_attach_duplicate", "host_attach_dropped",  # insert_host outcomes
         "evict_split",  # an slru eviction batch (a rule's or an allocation's) split its last victim
+        "load_overtakes_backup",  # a load-back ran ahead of older backups queued before it
+        "load_waits_for_backup",  # ...or behind the backups writing the L2 pages it reads (a demotion)
     )
 
     def __init__(self):
@@ -835,3 +851,13 @@ def test_every_rule_and_branch_fires():
 @pytest.mark.timeout(1800)  # every step checked against a full walk: ~180 s alone on 2 cores, past 600 s when shared
 def test_hierarchical_cache_long():
     run_state_machine_as_test(CacheMachine, settings=settings(FAST, max_examples=3000, stateful_step_count=100))
+
+
+def test_the_machine_catches_a_load_back_overtaking_the_backup_writing_its_pages(monkeypatch):
+    """The ordering check can fail: with the copy queue planted to run every load-back ahead of every backup,
+    one that reads L2 pages a queued write_back demotion has not written yet finishes before the copy it depends
+    on: the request's wait fails (or, were it applied, its KV would be wrong)."""
+    monkeypatch.setattr(CopyQueue, "waits_for_backup", lambda self, load: False)
+    with pytest.raises(AssertionError, match="load-back failed without an injected failure|L1 data of|loaded KV"):
+        run_state_machine_as_test(CacheMachine, settings=settings(
+            FAST, max_examples=200, phases=[Phase.generate], database=None, derandomize=True))

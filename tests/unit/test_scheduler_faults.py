@@ -8,7 +8,7 @@ import asyncio
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import Future
 
 import pytest
@@ -42,29 +42,21 @@ def reference(tiny_models, prompts) -> list[list[int]]:
 
 
 class StepEngine(CopyEngine):
-    """Copies run only when the test calls ``run`` (here: at the start of each scheduler step), so a copy queued
-    during a step is still in flight for the rest of that step, as a slow copy would be."""
+    """Copies run only when the test calls ``run`` (here: at the start of each scheduler step), in the real
+    engine's order, so a copy queued during a step is still in flight for the rest of that step, as a slow copy
+    would be."""
 
     def __init__(self, device: KVPool, host: KVPool):
         super().__init__(device.buffer, host.buffer)
-        self.queue: deque = deque()
 
-    def load(self, host_pages, device_pages) -> Future:
-        return self._enqueue(self.host_buffer, self.device_buffer, host_pages, device_pages)
-
-    def backup(self, device_pages, host_pages) -> Future:
-        return self._enqueue(self.device_buffer, self.host_buffer, device_pages, host_pages)
-
-    def _enqueue(self, *args) -> Future:
-        future: Future = Future()
-        self.queue.append((future, args))
-        return future
+    def _submit(self, job) -> Future:
+        self.pending.push(job)
+        return job.future
 
     def run(self) -> None:
-        while self.queue:
-            future, args = self.queue.popleft()
-            self._copy(*args)
-            future.set_result(None)
+        while (job := self.pending.pop()) is not None:
+            self.run_job(job)
+            job.future.result()  # a copy that raised fails the test here
 
 
 class HeldEngine(CopyEngine):
