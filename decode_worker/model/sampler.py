@@ -1,8 +1,8 @@
-"""The batched sampler: penalties and masks, greedy, temperature, top-k, top-p, per-request seeds, and the most
-likely alternatives of each pick. Logprobs are reported under the model's own distribution, before any of it.
+"""The batched sampler: penalties and masks, greedy, temperature, top-k, top-p, per-request seeds, and each
+pick's best alternatives. Logprobs are under the model's own distribution, before any shaping.
 
-The whole batch goes through one vectorised path, and the host waits for the device once per step, in the single
-read-back of the results. Only rows with a seed draw one by one, from their own generator, exactly as before.
+One vectorised path for the batch and one read-back per step; only seeded rows draw one by one, from their own
+generator, so a seed picks what it always picked.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a 
 
 @dataclass
 class Shaping:
-    """What a row's logits are adjusted by before it picks: penalties over the tokens seen so far, and tokens it may
-    not pick yet (end-of-sequence and stop tokens before ``min_new_tokens``)."""
+    """A row's logit adjustments before it picks: penalties over the tokens seen so far, and tokens it may not
+    pick yet (EOS and stop tokens before ``min_new_tokens``)."""
 
     output_ids: list[int]  # frequency and presence penalties count these
     context_ids: list[int]  # the repetition penalty covers prompt and output
@@ -30,11 +30,10 @@ class Shaping:
 
 
 class TokenMask(Protocol):
-    """The tokens each constrained row of a step may pick (``scheduler/grammar.py`` builds it from the rows'
-    grammars)."""
+    """The tokens each constrained row may pick (built by ``scheduler/grammar.py``)."""
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set every token a constrained row may not pick to -inf, in place, all rows at once."""
+        """Set every token a constrained row may not pick to -inf, in place."""
 
 
 @dataclass
@@ -47,8 +46,8 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits, and
-    ``mask``'s rows pick only among the tokens it allows."""
+    """One token per row of ``logits`` [B, vocab]: greedy rows take the argmax of their shaped logits; ``mask``'s
+    rows pick only among the tokens it allows."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
@@ -74,8 +73,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Log-probability of ``targets[i]`` under row i of ``logits`` [n, vocab] (the model's own distribution, as
-    for chosen tokens), and each row's ``k`` best (id, logprob). Rows go through in slices; one read-back."""
+    """Log-probability of ``targets[i]`` under row i of ``logits`` [n, vocab] (the model's own distribution) and
+    each row's ``k`` best (id, logprob); one read-back."""
     target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     parts: list[torch.Tensor] = []
     for at in range(0, len(targets), SCORE_ROWS):
@@ -98,13 +97,13 @@ def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float]
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``, without copying a whole-vocabulary batch when the rows are all of them."""
+    """``t[rows]``, without copying the whole batch when the rows are all of them."""
     return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Shaping | None]) -> torch.Tensor:
-    """Penalties as SGLang and OpenAI define them, in place, all shaped rows at once: the repetition penalty, then
-    frequency and presence, then bans (the order matters where a token is under several)."""
+    """SGLang/OpenAI penalties in place, all shaped rows at once: repetition, then frequency and presence, then
+    bans (the order matters for a token under several)."""
     repeat, count, ban = [], [], []  # (row, token, ...) per adjustment
     for i, (p, s) in enumerate(zip(params, shaping)):
         if s is None:
@@ -135,7 +134,7 @@ def _columns(entries: list[tuple], device: torch.device) -> list[torch.Tensor]:
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One pick per row of ``logits`` [n, vocab] from its temperature-scaled, top-k then top-p limited softmax."""
+    """One pick per row from its temperature-scaled, top-k then top-p limited softmax."""
     dev = logits.device
     logits = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     top_k = [min(p.top_k, logits.shape[1]) for p in params]
@@ -153,12 +152,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``probs`` [m, vocab] outside each row's nucleus set to 0: the smallest prefix of its tokens, by falling
-    probability, whose mass reaches ``top_p``.
-
-    A full sort of the vocabulary costs ~3 ms a row on CPU; there the rows sort only their ``NUCLEUS_CANDIDATES``
-    best tokens when those already pass ``top_p`` (which makes the result the same), and the rest sort fully. On a
-    GPU the batched full sort is cheap and asks no question of the host."""
+    """``probs`` [m, vocab] outside each row's nucleus set to 0. On CPU, rows whose ``NUCLEUS_CANDIDATES`` best
+    tokens already reach ``top_p`` sort only those (same result; a full sort is costly there, docs/architecture.md)."""
     if probs.is_cuda or probs.shape[1] <= NUCLEUS_CANDIDATES:
         values, order = probs.sort(dim=-1, descending=True)
         return _keep_prefix(values, order, top_p, probs.shape)
@@ -179,10 +174,8 @@ def _keep_prefix(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of unnormalised ``probs``. Unseeded rows invert their CDF (in float64, so even a 1e-12
-    token keeps its chance) against one uniform each: O(vocab) where ``torch.multinomial`` draws an exponential
-    per token and asks the host twice whether the row is valid. Seeded rows keep ``torch.multinomial`` with their
-    generator, so a seed picks what it picked before."""
+    """One token per row of unnormalised ``probs``. Unseeded rows invert their float64 CDF (a tiny token keeps its
+    chance; no host sync, unlike ``torch.multinomial``); seeded rows keep ``torch.multinomial`` so a seed is stable."""
     picks = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     free = [i for i, g in enumerate(generators) if g is None]
     if free:  # the first token whose CDF reaches u in (0, total]: never one of probability 0
