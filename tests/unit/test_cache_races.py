@@ -345,3 +345,45 @@ def test_a_failed_demotion_under_a_load_back_leaves_a_host_only_child_below_a_lo
     cache.release(h)
     assert not cache.tree.root.children and cache.host_alloc.num_used == 0
     assert_quiescent(cache)
+
+
+# -- a load-back overtakes the backups queued before it (issue 27: hier's TTFT tail behind write-throughs) --------
+
+
+def test_a_load_back_overtakes_queued_write_throughs_and_its_request_settles_before_they_land():
+    cache, dev, engine = stepped_cache(write_policy="write_through")
+    finish(cache, dev, PROMPT, start(cache, PROMPT))
+    engine.run()
+    cache.poll()
+    cache.evict_device(100)  # PROMPT is on L2 only
+    others = [tuple(range(100 * i, 100 * i + 6)) for i in (1, 2)]
+    for tokens in others:
+        finish(cache, dev, tokens, start(cache, tokens))  # each queues its write-through backup
+    h = start(cache, PROMPT)  # the load-back, queued last
+    backups = [op for op in cache.copies.queue if op.kind == "backup"]
+    assert [cache.copies.queue[-1]] == h.waits and len(backups) == 2
+    engine.run(1)  # the copy thread runs the load-back first
+    assert h.ready(), "the load-back waits behind backups that touch none of its pages"
+    asyncio.run(h.wait())  # settles now: the backups are still queued
+    assert all(not op.future.done() for op in backups) and list(cache.copies.queue) == backups
+    check_invariants(cache, request_pages=len(h.delta_pages))
+    finish(cache, dev, PROMPT, h)
+    engine.run()
+    assert_quiescent(cache)
+    assert all(cache.match(tokens).host_hit_tokens == 0 and cache.match(tokens).device_hit_tokens == 6
+               for tokens in others)
+
+
+def test_a_load_back_of_a_queued_demotion_runs_after_it_and_reads_what_it_wrote():
+    """write_back: the L2 pages a load-back reads are still being written by a demotion queued before it, behind
+    an unrelated backup. The demotion (and the backup before it: backups keep their order) runs first."""
+    cache, dev, engine = stepped_cache(write_policy="write_back")
+    finish(cache, dev, PROMPT, start(cache, PROMPT))
+    finish(cache, dev, (7, 7, 7, 7), start(cache, (7, 7, 7, 7)), backup=True)  # a backup queued first
+    cache.evict_device(5)  # PROMPT demoted: its L2 copy is still queued
+    h = start(cache, PROMPT)
+    assert h.restored_tokens == 10
+    assert [c.future for c in engine.queue] == [op.future for op in cache.copies.queue], "not in submission order"
+    engine.run()
+    finish(cache, dev, PROMPT, h)  # checks the restored KV
+    assert_quiescent(cache)
