@@ -1,3 +1,1 @@
-"""The Llama-family model, its loaders, the batch runner over paged KV, the sampler and CUDA graphs.
-
-How the packages fit together: docs/architecture.md."""
+"""The Llama-family model, its loaders, the batch runner over paged KV, the sampler and CUDA graphs."""

@@ -1,6 +1,5 @@
-"""Paged attention over the KV pool: batched decode through the page table, extend per request.
-
-The indices are worked out once per step (``StepPlan``), not per layer: on CPU small-op dispatch dominates.
+"""Paged attention over the KV pool: batched decode through the page table, extend per request; indices
+are planned once per step (``StepPlan``), not per layer.
 """
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from decode_worker.model.forward_batch import ForwardBatch
 
 @dataclass
 class StepPlan:
-    """One step's indices, shared by every layer. ``pages``/``visible`` are for CPU decode only: CUDA decode
-    reads the page table in its kernel, with no host sync, so CUDA graphs can capture it."""
+    """One step's indices, shared by every layer; ``pages``/``visible`` only for CPU decode (CUDA decode reads the
+    page table in its kernel, with no host sync, so graphs can capture it)."""
 
     write_rows: torch.Tensor
     context_rows: torch.Tensor | None = None
@@ -73,8 +72,8 @@ def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch
 
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its prefix plus themselves; slices use host-known
-    lengths, so no step waits for the device."""
+    """Causal attention of each request's new tokens over its prefix plus themselves, sliced by host-known
+    lengths (no device sync)."""
     k_ctx = slot_rows(pool.k_pages(layer))[0].index_select(0, plan.context_rows)  # [sum seq_lens, Hkv, D]
     v_ctx = slot_rows(pool.v_pages(layer))[0].index_select(0, plan.context_rows)
     out = torch.empty_like(q)
@@ -99,8 +98,8 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` ``[1, Hq, E, D]`` over ``k``/``v`` ``[1, Hkv, S, D]``, bottom-right ``CausalBias``: it keeps CUDA SDPA on
-    its fused kernels (a boolean mask falls back to math), which take no GQA, so K/V are repeated per head."""
+    """``q`` over a cached prefix plus itself with a bottom-right ``CausalBias``, which keeps CUDA SDPA on its fused
+    kernels (a boolean mask falls back to math); those take no GQA, so K/V are repeated per head."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)

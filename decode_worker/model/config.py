@@ -8,7 +8,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
 class ModelLoadError(ValueError):
-    """A model path, file or config the worker cannot serve; the message names the problem."""
+    """A model path, file or config the worker cannot serve."""
 
 
 @dataclass(frozen=True)

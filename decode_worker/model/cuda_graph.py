@@ -1,7 +1,5 @@
-"""CUDA graphs of the decode step, one per padded batch-size bucket.
-
-Padded rows write to scratch page 0. A graph keeps nothing alive, so every tensor a captured step reads is a
-slice of a buffer owned here for the graphs' life.
+"""CUDA graphs of the decode step, one per padded batch-size bucket; padded rows write to scratch page 0.
+A graph keeps nothing alive, so every tensor it reads is a slice of a buffer owned here.
 """
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ class Graph(Protocol):
 
 
 class CudaGraph:
-    """One captured step; ``output`` is the graph's own memory, rewritten by each replay."""
+    """One captured step; ``output`` is rewritten by each replay."""
 
     def __init__(self, step: Step, pool: tuple[int, int]):
         stream = torch.cuda.Stream()

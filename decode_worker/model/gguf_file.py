@@ -1,6 +1,5 @@
-"""A GGUF file's metadata and tensor table, read in one pass; tensor bytes stay memory-mapped.
-
-Faster than the gguf package's reader on large vocabularies; tensors keep its shapes for ``gguf.quants``.
+"""A GGUF file's metadata and tensor table in one pass, tensor bytes memory-mapped: faster than the gguf
+package's reader on large vocabularies, with its tensor shapes.
 """
 from __future__ import annotations
 
@@ -75,7 +74,7 @@ class _Cursor:
 
 
 def read_gguf(path: Path) -> GGUFFile:
-    """Parse ``path``'s header, metadata and tensor table; GGUFFormatError says what is wrong with a bad file."""
+    """Parse ``path``'s header, metadata and tensor table; GGUFFormatError names what is wrong."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     mapped = np.memmap(path, mode="r", dtype=np.uint8)

@@ -1,5 +1,4 @@
-"""Read a llama-architecture GGUF file: config from metadata, tensors under Hugging Face names (dequantized, or
-Q4_1 matrices kept as 4-bit blocks)."""
+"""A llama-architecture GGUF file: config from metadata, tensors under Hugging Face names."""
 from __future__ import annotations
 
 from collections.abc import Iterator

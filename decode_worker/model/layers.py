@@ -36,7 +36,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention of HF Llama)."""
+    """cos/sin tables by absolute position (HF Llama's rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -79,7 +79,7 @@ class RopeTables:
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matmul."""
+    """SwiGLU, gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()

@@ -69,14 +69,13 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def keeps_int4(path: Path, dtype: torch.dtype, device: str) -> bool:
-    """Whether a GGUF's Q4_1 weights stay 4-bit by default: on CPU in a 16-bit dtype (float32 stays the
-    dequantized reference for the parity tests)."""
+    """Whether a GGUF's Q4_1 weights stay 4-bit by default: on CPU in 16-bit (float32 is the parity reference)."""
     return path.is_file() and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
                int4: bool | None = None) -> LoadedModel:
-    """``int4``: keep a GGUF's Q4_1 layer weights 4-bit (``Int4Linear``, CPU only); None: ``keeps_int4``."""
+    """``int4`` None: ``keeps_int4`` decides."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
@@ -99,7 +98,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 
 def _return_freed_memory() -> None:
-    """Hand the loader's freed temporaries back to the OS (glibc keeps them in its arenas otherwise)."""
+    """Hand freed loader temporaries back to the OS (glibc keeps them otherwise)."""
     import ctypes
     import ctypes.util
 

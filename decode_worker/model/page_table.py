@@ -1,7 +1,5 @@
 """Page-table rows kept on the device: a decode step sends only the pages added since the last one.
-
-Contract: a running request's page list only grows in place (``seq.pages += ...``); a new list object rewrites
-its row from column 0.
+Contract: a running request's page list grows only in place; a new list object rewrites its row.
 """
 from __future__ import annotations
 
@@ -44,7 +42,7 @@ class PageTableRows:
         return self._rows[key].index
 
     def release(self, key: str) -> None:
-        """Zero the key's row (a failed step may have written past what was synced) and free it; no row: no-op."""
+        """Zero the key's row (a failed step may have written past the synced part) and free it; no row: no-op."""
         row = self._rows.pop(key, None)
         if row is not None:
             self.table[row.index].zero_()
@@ -52,8 +50,8 @@ class PageTableRows:
 
     def decode_batch(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]], page_size: int) -> ForwardBatch:
-        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``. ValueError on a repeated key or too few pages;
-        a failed step frees its new rows and syncs nothing."""
+        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``; ValueError on a repeated key or too few pages.
+        A failed step frees its new rows and syncs nothing."""
         if len(set(keys)) != len(keys):
             raise ValueError("a request appears twice in one decode step")
         seq_lens = [p + 1 for p in prefix_lens]

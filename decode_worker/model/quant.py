@@ -1,6 +1,5 @@
-"""Weights kept 4-bit on CPU: GGUF Q4_1 blocks and a linear layer over torch's int4 matmul.
-
-A Q4_1 block (``d * q + m``) is one kernel group (``(q - 8) * scale + zero``): ``scale = d``, ``zero = m + 8d``.
+"""Weights kept 4-bit on CPU: a Q4_1 block (``d * q + m``) is one group of torch's int4 matmul
+(``(q - 8) * scale + zero``) with ``scale = d``, ``zero = m + 8d``.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ _INNER_K_TILES = 2  # the packing's K tiling: K must be a multiple of 16 * this
 
 @dataclass
 class Q4Blocks:
-    """A Q4_1 matrix ``[rows, cols]`` unpacked: 4-bit codes one per byte, and per-block scale and minimum."""
+    """A Q4_1 matrix unpacked: codes one per byte, per-block scale and minimum."""
 
     codes: torch.Tensor  # uint8 [rows, cols], values 0..15
     scale: torch.Tensor  # float32 [rows, cols // 32]
@@ -28,7 +27,7 @@ class Q4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q4Blocks":
-        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles, low nibbles first)."""
+        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles, low first)."""
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 20)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -42,7 +41,7 @@ class Q4Blocks:
         return (grouped * self.scale[..., None] + self.minimum[..., None]).view(rows, cols)
 
     def map_rows(self, fn) -> "Q4Blocks":
-        """The blocks with ``fn`` applied to every part's rows (e.g. llama.cpp's Q/K permutation)."""
+        """``fn`` applied to every part's rows (e.g. llama.cpp's Q/K permutation)."""
         return Q4Blocks(fn(self.codes), fn(self.scale), fn(self.minimum))
 
     @staticmethod
@@ -57,8 +56,8 @@ def packable(rows: int, cols: int) -> bool:
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W.T`` over int4-packed ``W``. ``dense_from_rows`` keeps a dequantized copy for inputs of that many
-    rows or more: int4 wins on memory-bound decode, dense GEMM on wide inputs."""
+    """``y = x @ W.T`` over int4-packed ``W``; ``dense_from_rows`` keeps a dense copy for wide inputs (int4 wins
+    only on memory-bound decode)."""
 
     def __init__(self, blocks: Q4Blocks, dtype: torch.dtype, dense_from_rows: int | None = None):
         super().__init__()

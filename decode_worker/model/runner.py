@@ -1,4 +1,4 @@
-"""Owns the model and its L1 KV pool; runs extend and batched decode steps (CUDA graphs on GPU)."""
+"""Owns the model and its L1 KV pool; runs extend and decode steps (CUDA graphs on GPU)."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +15,7 @@ from decode_worker.model.sampler import SampleResult, Shaping, TokenMask, sample
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_total_tokens: int, page_size: int, cuda_graph_max_bs: int = 0,
                  shared_pool: bool = False):
-        """``shared_pool``: a host KV pool other processes on this host may map (a prefill worker's)."""
+        """``shared_pool``: a host KV pool peers on this host may map (prefill's)."""
         self.loaded = loaded
         self.config = loaded.config
         self.model = loaded.model
@@ -44,8 +44,7 @@ class ModelRunner:
 
     def build_decode(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]]) -> ForwardBatch:
-        """A decode step through persistent page-table rows named by ``keys``; the scheduler frees a row with
-        ``rows.release`` when its request stops running."""
+        """A decode step through page-table rows named by ``keys`` (freed with ``rows.release``)."""
         return self.rows.decode_batch(keys, last_tokens, prefix_lens, pages, self.page_size)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -56,6 +55,5 @@ class ModelRunner:
 
     def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
                        shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-        """Forward and sample on the calling thread (it waits for the device): Python lists out, never a device
-        tensor."""
+        """Forward and sample on the calling thread, which waits for the device; Python lists out."""
         return sample(self.forward(fb), params, generators, shaping, mask)

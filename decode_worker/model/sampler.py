@@ -1,8 +1,5 @@
-"""The batched sampler: penalties and masks, greedy, temperature, top-k, top-p, per-request seeds, and each
-pick's best alternatives. Logprobs are under the model's own distribution, before any shaping.
-
-One vectorised path for the batch and one read-back per step; only seeded rows draw one by one, from their own
-generator, so a seed picks what it always picked.
+"""The batched sampler: penalties, masks, greedy, temperature, top-k, top-p, seeds and top alternatives;
+logprobs under the model's own distribution. One read-back a step; only seeded rows draw one by one.
 """
 from __future__ import annotations
 
@@ -21,8 +18,8 @@ SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a 
 
 @dataclass
 class Shaping:
-    """A row's logit adjustments before it picks: penalties over the tokens seen so far, and tokens it may not
-    pick yet (EOS and stop tokens before ``min_new_tokens``)."""
+    """A row's logit adjustments: penalties over its tokens so far, and tokens banned before
+    ``min_new_tokens``."""
 
     output_ids: list[int]  # frequency and presence penalties count these
     context_ids: list[int]  # the repetition penalty covers prompt and output
@@ -46,8 +43,7 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-    """One token per row of ``logits`` [B, vocab]: greedy rows take the argmax of their shaped logits; ``mask``'s
-    rows pick only among the tokens it allows."""
+    """One token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
@@ -152,8 +148,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``probs`` [m, vocab] outside each row's nucleus set to 0. On CPU, rows whose ``NUCLEUS_CANDIDATES`` best
-    tokens already reach ``top_p`` sort only those (same result; a full sort is costly there, docs/architecture.md)."""
+    """``probs`` outside each row's nucleus set to 0; on CPU rows whose ``NUCLEUS_CANDIDATES`` best tokens reach
+    ``top_p`` sort only those (docs/architecture.md)."""
     if probs.is_cuda or probs.shape[1] <= NUCLEUS_CANDIDATES:
         values, order = probs.sort(dim=-1, descending=True)
         return _keep_prefix(values, order, top_p, probs.shape)
@@ -174,8 +170,8 @@ def _keep_prefix(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of unnormalised ``probs``. Unseeded rows invert their float64 CDF (a tiny token keeps its
-    chance; no host sync, unlike ``torch.multinomial``); seeded rows keep ``torch.multinomial`` so a seed is stable."""
+    """One token per row of unnormalised ``probs``: unseeded rows invert a float64 CDF (no host sync); seeded
+    rows use ``torch.multinomial`` so a seed stays stable."""
     picks = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     free = [i for i, g in enumerate(generators) if g is None]
     if free:  # the first token whose CDF reaches u in (0, total]: never one of probability 0

@@ -1,4 +1,4 @@
-"""Tokenizer and chat template for a model directory or GGUF file (through transformers' tokenizers)."""
+"""Tokenizer and chat template of a model directory or GGUF file."""
 from __future__ import annotations
 
 import hashlib
@@ -45,7 +45,7 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str:
-        """The model's chat template ('' when it has none): what it shows decides how tools are rendered."""
+        """The chat template ('' when none); its text decides how tools are rendered."""
         template = self.backend.chat_template
         return template if isinstance(template, str) else ""
 

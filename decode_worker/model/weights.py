@@ -1,4 +1,4 @@
-"""Copy Hugging Face-named tensors into the fused parameters of LlamaModel; 4-bit blocks become Int4Linear layers."""
+"""Copy Hugging Face-named tensors into LlamaModel's fused parameters; 4-bit blocks become Int4Linear."""
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +42,8 @@ def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
 
 def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks]],
                  dense_from_rows: int | None = None) -> None:
-    """Fill every parameter of ``model``; a missing or mis-shaped tensor is a ModelLoadError. A bias-free linear
-    given wholly as ``Q4Blocks`` becomes an ``Int4Linear``; other blocks are dequantized."""
+    """Fill every parameter; ModelLoadError on a missing or mis-shaped tensor. A bias-free linear given wholly
+    as ``Q4Blocks`` becomes ``Int4Linear``."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     quantized: dict[str, list[tuple[int, Q4Blocks]]] = {}
@@ -92,8 +92,8 @@ def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
 
 
 def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
-    """Short digest of the loaded weights, so KV from two checkpoints that share a name and shape never mixes.
-    Strided samples per tensor: a fine-tune changes values everywhere, and start-up stays fast."""
+    """Digest of the loaded weights, so KV of two checkpoints sharing name and shape never mixes (strided
+    samples: fine-tunes change values everywhere, and start-up stays fast)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
