@@ -1,3 +1,1 @@
-"""Plain types every layer shares (requests, lifecycle states, policies, small utilities); imports no other
-package of the worker.
-"""
+"""Plain types every layer shares; imports no other package of the worker."""

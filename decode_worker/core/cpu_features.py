@@ -1,11 +1,11 @@
-"""What ``--dtype auto`` picks: bfloat16 where the hardware computes it natively, float32 elsewhere on CPU."""
+"""What ``--dtype auto`` picks on this hardware."""
 from __future__ import annotations
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of the x86 bf16 dot-product instructions
 
 
 def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The bf16 instruction sets this CPU reports (none where /proc/cpuinfo is missing)."""
+    """The bf16 instruction sets this CPU reports (none without /proc/cpuinfo)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])

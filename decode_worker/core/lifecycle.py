@@ -1,7 +1,5 @@
-"""A request's life in the scheduler: its states, the moves between them, and what it found cached.
-
-Pure data: the scheduler moves a request between queues only through ``check_transition``, so its state and its
-queue cannot disagree.
+"""A request's life in the scheduler: its states, the legal moves, and what it found cached. The scheduler
+moves a request between queues only through ``check_transition``, so state and queue agree.
 """
 from __future__ import annotations
 

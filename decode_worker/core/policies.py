@@ -1,6 +1,4 @@
-"""Every choice a flag names, defined once; a ``StrEnum`` member equals its string, so flag values need no
-mapping.
-"""
+"""Every choice a flag names, defined once as a ``StrEnum`` (a member equals its flag value)."""
 from __future__ import annotations
 
 from enum import StrEnum
@@ -10,7 +8,7 @@ P = TypeVar("P", bound=StrEnum)
 
 
 def parse_policy(cls: type[P], value: str, what: str) -> P:
-    """``cls(value)``, raising ValueError naming ``what``, the value and the choices."""
+    """``cls(value)``; ValueError naming ``what``, the value and the choices."""
     try:
         return cls(value)
     except ValueError:

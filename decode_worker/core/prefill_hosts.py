@@ -88,7 +88,7 @@ async def resolve(name: str) -> frozenset[str]:
 
 @dataclass
 class PrefillHosts:
-    """The allow-list and its cache of resolved names. ``entries`` None allows any host; empty, loopback only."""
+    """The allow-list and its cache of resolved names: ``entries`` None allows any host, empty only loopback."""
 
     entries: tuple[HostEntry, ...] | None
     ttl_s: float = 5.0
@@ -125,8 +125,7 @@ class PrefillHosts:
         return False
 
     async def allowed(self, host: str, port: int) -> bool:
-        """Whether ``host:port`` may be called; an address not in a fresh cache gets one re-resolution (a pod may
-        have just joined)."""
+        """Whether ``host:port`` may be called; an address unknown to a fresh cache costs one re-resolution."""
         fresh = time.monotonic() - self._resolved_at < self.ttl_s
         if fresh and self.allowed_now(host, port):
             return True

@@ -1,4 +1,4 @@
-"""What the HTTP layer hands the scheduler, and what the scheduler streams back."""
+"""What the HTTP layer hands the scheduler, and what comes back."""
 from __future__ import annotations
 
 import asyncio

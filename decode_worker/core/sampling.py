@@ -34,7 +34,7 @@ class SamplingParams:
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        """(kind, text) of the request's grammar, None when its output is free."""
+        """(kind, text) of the request's grammar, or None."""
         return next(((kind, text) for kind in GRAMMAR_KINDS if (text := getattr(self, kind)) is not None), None)
 
     @property
@@ -44,7 +44,7 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether sampling must adjust this request's logits before it picks."""
+        """Whether sampling adjusts this request's logits before it picks."""
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
                     or self.min_new_tokens)
 

@@ -1,4 +1,4 @@
-"""A request's token state while it is generated, and the checks that finish it."""
+"""A request's token state while generated, and the checks that finish it."""
 from __future__ import annotations
 
 import sys
@@ -35,8 +35,7 @@ class Sequence:
     _packed: bytearray = field(default_factory=bytearray, repr=False, compare=False)  # token ids packed so far
 
     def key(self, n: int) -> bytes:
-        """The first ``n`` token ids packed: the cache's key. The packed bytes grow with the sequence, so a call
-        copies bytes rather than converting ``n`` Python ints."""
+        """The first ``n`` token ids packed (the cache's key), from bytes that grow with the sequence."""
         packed, have = self._packed, len(self._packed) // TOKEN_BYTES
         if have < n:
             prompt = len(self.prompt_ids)

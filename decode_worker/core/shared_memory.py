@@ -48,8 +48,7 @@ class SharedFile:
 
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, SharedFile]:
-    """A zeroed host tensor in a sealed memory file peers can map, faulted in now; closed once ``owner`` is
-    collected."""
+    """A zeroed host tensor in a sealed memory file peers can map, faulted in now; closed with ``owner``."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         raise ValueError("a shared buffer needs at least one byte")

@@ -1,6 +1,4 @@
-"""Background tasks an object starts and must outlive: the loop keeps only weak references, so a ``TaskSet``
-holds them until they end.
-"""
+"""Background tasks an object must outlive: the loop holds tasks weakly, a ``TaskSet`` holds them strongly."""
 from __future__ import annotations
 
 import asyncio
