@@ -1,4 +1,4 @@
-"""The serving engine: model, cache and scheduler behind the few calls the HTTP layer makes."""
+"""The serving engine: model, cache and scheduler behind the HTTP layer's few calls."""
 from __future__ import annotations
 
 import asyncio
@@ -166,8 +166,7 @@ class Engine:
         scheduler.check_fits(inp)
 
     async def compile_grammar(self, inp: GenerateInput) -> CompiledGrammar | None:
-        """``inp``'s grammar compiled off the event loop (once per text), None without one; RequestError naming the
-        field when it cannot compile."""
+        """``inp``'s grammar compiled off the loop (once per text), or None; RequestError naming the field."""
         if inp.params.grammar is None:
             return None
         self.require_ready()

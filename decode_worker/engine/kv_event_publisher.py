@@ -1,7 +1,5 @@
-"""Sends the cache's KV events over ZMQ as vLLM and SGLang do, for llm-d's indexer and Dynamo's KV router.
-
-The wire format, replay and what a drop looks like are in README.md ("KV events for KV-aware routers"). The event
-loop only calls ``put``, which never blocks: a bounded queue feeds one sender thread.
+"""The cache's KV events over ZMQ as vLLM and SGLang send them (wire format, replay and drops: README.md,
+"KV events for KV-aware routers"). ``put`` never blocks: a bounded queue feeds one sender thread.
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ IDLE_POLL_S = 0.05  # how often an idle sender looks at replay requests and at c
 
 
 def encode_batch(events: list[KVEvent], ts: float, dp_rank: int = 0) -> bytes:
-    """The msgpack payload of one message. The rank is always present: Dynamo decodes the batch as a 3-tuple."""
+    """One message's msgpack payload; the rank is always there (Dynamo decodes a 3-tuple)."""
     return msgpack.packb([ts, [e.wire() for e in events], dp_rank], use_bin_type=True)
 
 

@@ -46,8 +46,7 @@ class LLM:
         load_tokenizer: bool = True,
         prefix_cache: bool = True,
     ):
-        """Without a tokenizer (random-weight test models) prompts must be token ids and no text comes back;
-        without ``prefix_cache`` no request reuses another's KV."""
+        """Without a tokenizer prompts must be token ids and no text comes back; without ``prefix_cache`` no reuse."""
         self.loaded = load_model(model_path, dtype=dtype, device=device, tokenizer=load_tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.config.eos_token_ids
@@ -76,8 +75,8 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
-        """Every prompt is checked (ValueError, e.g. ``PromptTooLong``) before any runs; prefixes cached meanwhile
-        are dropped at the end, so a call's cost never depends on an earlier one."""
+        """Every prompt is checked (ValueError) before any runs; cached prefixes are dropped after, so no call's cost
+        depends on an earlier one."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         inputs, grammars = [], []
         for prompt, p in zip(prompts, plist):

@@ -47,8 +47,8 @@ def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
 
 
 def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics) -> ZmqEventPublisher | None:
-    """The KV event publisher ``--kv-events-config`` asks for, or None. It opens with ``AllBlocksCleared``: a
-    restarted worker on the same topic holds nothing."""
+    """The publisher ``--kv-events-config`` asks for, or None; it opens with ``AllBlocksCleared`` (a restarted
+    worker holds nothing)."""
     settings = cfg.kv_events
     if settings is None:
         return None
@@ -62,8 +62,8 @@ def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics
 
 
 def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
-    """A line per UCX flag set: they configured the staged data plane NIXL replaced, and stay accepted (so
-    deployments start) but named (so nobody thinks them honoured)."""
+    """A line per UCX flag set: accepted so deployments start, named so nobody thinks them honoured (NIXL
+    replaced their data plane)."""
     given = [(flag, value) for flag, value, default in (("--ucx-host", cfg.ucx_host, "127.0.0.1"),
                                                         ("--ucx-port", cfg.ucx_port, 0)) if value != default]
     return [f"{flag} {value} is not used: decode reads KV from prefill over NIXL, at the address in the prefill "
