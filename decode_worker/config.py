@@ -131,7 +131,7 @@ class ServerConfig(BaseSettings):
 
     @property
     def dtype_reason(self) -> str | None:
-        """Why ``--dtype auto`` chose ``dtype``; None for an explicit dtype."""
+        """Why ``--dtype auto`` chose ``dtype``; None when explicit."""
         return self._dtype_reason
 
     def validate(self) -> None:
@@ -240,7 +240,7 @@ def _enum_type(name: str) -> type[Enum] | None:
 
 
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
-    """Flags and env take an enum's values (decode), where pydantic-settings shows member names (DECODE)."""
+    """Flags and env take an enum's values (decode), not the member names pydantic-settings shows."""
     kind = _enum_type(kwargs.get("dest", ""))
     if kind is not None:
         kwargs["metavar"] = "{" + ",".join(m.value for m in kind) + "}"

@@ -118,7 +118,7 @@ def http_ok(url: str) -> bool:
 
 
 def redis_ok(host: str, port: int) -> bool:
-    """A Redis PING answered (inline protocol: no client library needed)."""
+    """A Redis PING answered (inline protocol, no client library)."""
     try:
         with socket.create_connection((host, port), timeout=2) as s:
             s.sendall(b"PING\r\n")
@@ -199,7 +199,7 @@ def check_up_args(args: argparse.Namespace) -> None:
 
 
 def router_auth(api_key: str) -> list[str]:
-    """sglang-router's --api-key (it has no environment variable): required from clients and sent to workers."""
+    """sglang-router's --api-key (no environment variable exists for it)."""
     return ["--api-key", api_key] if api_key else []
 
 

@@ -1,7 +1,5 @@
-"""Prometheus metrics (prefix ``decode_worker_``).
-
-Request figures are counted as they happen; cache and queue figures are read from their owners at scrape time,
-so they never drift from the state they describe.
+"""Prometheus metrics (prefix ``decode_worker_``): request figures counted as they happen, cache and queue
+figures read from their owners at scrape time (they cannot drift).
 """
 from __future__ import annotations
 
