@@ -1,15 +1,6 @@
-"""Constrained decoding with xgrammar: JSON schemas, regular expressions and EBNF grammars.
-
-A grammar is compiled once per (kind, text), in a worker thread, never on the event loop: the route waits for it
-with a deadline before the request is admitted, so a grammar that cannot compile is a 400 naming its field. Each
-request then holds a matcher (``RowGrammar``) that advances with every token it emits; before each forward the
-rows with a grammar get one token bitmask for the step (``fill_mask``), which the sampler applies to the whole
-batch at once (``model/sampler.py``).
-
-How a constrained request ends: when its grammar is complete only end-of-sequence tokens stay allowed, so it
-stops as any request does ({"type": "stop"}); one whose grammar terminated otherwise (``ignore_eos``) stops with
-that token. A token the grammar refuses (prefill's first token in a PD pair built without this grammar, say)
-finishes it as {"type": "abort", "message": "grammar dead end: ..."}, the output so far kept.
+"""Constrained decoding with xgrammar: grammars compiled once per (kind, text) off the event loop, a matcher
+per request, one token bitmask per step. How it works and how a constrained request ends:
+docs/structured-outputs.md.
 """
 from __future__ import annotations
 
@@ -47,10 +38,9 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer on its own thread and keeps the last ``CACHE_ENTRIES`` by (kind, text),
-    refusals included, so a popular schema compiles once and a bad one is refused at once the next time.
-
-    ``vocab_size`` is the logits' width, which may exceed the tokenizer's: tokens past it are never allowed."""
+    """Compiles grammars for one tokenizer on its own thread, keeping the last ``CACHE_ENTRIES`` results by
+    (kind, text), refusals included. ``vocab_size`` is the logits' width, which may exceed the tokenizer's: tokens
+    past the tokenizer are never allowed."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES):
         self.tokenizer = tokenizer
@@ -141,7 +131,8 @@ class RowGrammar:
         self.name = name  # the request field, for the dead-end message
 
     def advance(self, seq: Sequence) -> None:
-        """Feed ``seq``'s newest token; finish ``seq`` when the grammar refuses it or has terminated."""
+        """Feed ``seq``'s newest token; finish ``seq`` when the grammar refuses it (a dead end: abort) or has
+        terminated."""
         token = seq.output_ids[-1]
         if not self.matcher.accept_token(token):
             seq.finish_reason = {"type": "abort",
@@ -159,7 +150,7 @@ class BatchMask:
     bits: torch.Tensor  # int32 [batch, ceil(vocab / 32)], on the host
 
     def apply(self, logits: torch.Tensor) -> None:
-        """xgrammar's kernel for the logits' device (C++ on a CPU, Triton on a GPU), the rows in one call."""
+        """xgrammar's kernel for the logits' device over the masked rows, in one call."""
         import xgrammar as xgr
 
         xgr.apply_token_bitmask_inplace(logits, self.bits.to(logits.device, non_blocking=True), indices=self.rows)
