@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -40,7 +41,7 @@ class CopyJob:
     kind: str
     device_pages: np.ndarray
     host_pages: np.ndarray
-    after: "torch.cuda.Event | None" = None  # the caller's stream work it must follow
+    after: torch.cuda.Event | None = None  # the caller's stream work it must follow
     future: Future = field(default_factory=Future)
     seq: int = 0  # submission order, set by the queue
 
@@ -126,8 +127,11 @@ class CopyEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
-        """L2 -> L1."""
-        return self._submit(self._job("load", device_pages, host_pages))
+        """L2 -> L1. The caller then yields the interpreter lock once, so that the copy thread starts the copy now
+        rather than whenever the caller next blocks (a load-back is on a request's path to its first token)."""
+        future = self._submit(self._job("load", device_pages, host_pages))
+        time.sleep(0)
+        return future
 
     def backup(self, device_pages: PageIds, host_pages: PageIds) -> Future:
         """L1 -> L2."""
@@ -164,7 +168,7 @@ class CopyEngine:
         else:
             job.future.set_result(None)
 
-    def _caller_event(self) -> "torch.cuda.Event | None":
+    def _caller_event(self) -> torch.cuda.Event | None:
         """Marks the caller's queued stream work: the copy must not touch those pages before it is done."""
         if self._stream is None:
             return None
@@ -181,7 +185,7 @@ class CopyEngine:
             job.future.cancel()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
-              after: "torch.cuda.Event | None" = None) -> None:
+              after: torch.cuda.Event | None = None) -> None:
         # the cache hands over its numpy page ids: torch views of them, made here on the copy thread (no copy)
         if self._stream is None:
             copy_host_pages(src, dst, src_pages, dst_pages)
@@ -226,14 +230,14 @@ def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, ds
 class _Slot:
     host: torch.Tensor  # flat bytes, page-locked
     device: torch.Tensor  # flat bytes on the device
-    done: "torch.cuda.Event | None"  # recorded after the slot's last device-side use
+    done: torch.cuda.Event | None  # recorded after the slot's last device-side use
 
 
 class Staging:
     """Two pinned host slots paired with device memory, allocated once; copies alternate slots chunk by chunk.
     ``stream=None`` runs the same steps synchronously (CPU tests)."""
 
-    def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: "torch.cuda.Stream | None"):
+    def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: torch.cuda.Stream | None):
         self.page_bytes = prod(device_buffer.shape[1:]) * device_buffer.element_size()
         self.pages_per_slot = max(1, nbytes // 2 // self.page_bytes)
         self.stream = stream

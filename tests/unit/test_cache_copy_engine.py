@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import torch
 
+from decode_worker.cache import copy_engine
 from decode_worker.cache.copy_engine import CopyEngine, CopyJob, CopyQueue, PageCopier
 
 
@@ -112,3 +113,21 @@ def test_close_cancels_the_copies_still_queued():
     engine.gate.set()
     engine.close()
     assert running.result(timeout=5) is None and (queued_copy.cancelled() or queued_copy.done())
+
+
+def test_a_load_back_hands_the_copy_thread_the_interpreter_lock_and_a_backup_does_not(monkeypatch):
+    """The caller (the event loop) goes on with Python work after queuing a copy, holding the interpreter lock: the
+    copy thread would start a load-back only when the caller next blocks, or after the switch interval. A
+    load-back yields once right after it is queued; a backup, off the critical path, does not."""
+    calls: list[tuple[str, float]] = []
+    monkeypatch.setattr(copy_engine.time, "sleep", lambda s: calls.append(("sleep", s)))
+    device, host = torch.zeros(4, 3), torch.ones(4, 3)
+    engine = CopyEngine(device, host)
+    submit = engine._submit
+    monkeypatch.setattr(engine, "_submit", lambda job: calls.append(("queued", job.kind)) or submit(job))
+    try:
+        engine.backup(np.array([0]), np.array([0])).result(timeout=5)
+        engine.load(np.array([1]), np.array([2])).result(timeout=5)
+    finally:
+        engine.close()
+    assert calls == [("queued", "backup"), ("queued", "load"), ("sleep", 0)]
