@@ -1,3 +1,1 @@
-"""The HTTP surface: a FastAPI router per API family, request schemas, errors and the guard.
-
-How the packages fit together: docs/architecture.md."""
+"""The HTTP surface: a router per API family, request schemas, errors and the guard."""

@@ -1,5 +1,4 @@
-"""The worker's HTTP app: the guard in front of every route, errors in one JSON shape, and a router per API
-family (SGLang ``/generate``, OpenAI ``/v1``, operations, and on a prefill worker the PD handshake)."""
+"""The worker's HTTP app: the guard in front, errors in one JSON shape, a router per API family."""
 from __future__ import annotations
 
 from fastapi import FastAPI

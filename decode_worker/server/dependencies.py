@@ -1,5 +1,4 @@
-"""The engine as a FastAPI dependency: a route declares ``engine: EngineDep`` and gets the app's engine, so route
-modules hold plain functions instead of closures over it."""
+"""The engine as a FastAPI dependency (``engine: EngineDep``), so routes are plain functions."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -10,7 +9,7 @@ from decode_worker.engine.engine import Engine
 
 
 async def get_engine(request: Request) -> Engine:
-    """Async, so FastAPI calls it on the event loop rather than in a worker thread."""
+    """Async, so FastAPI calls it on the event loop, not in a thread."""
     return request.app.state.engine
 
 

@@ -1,9 +1,4 @@
-"""Incremental detokenization for streaming: each new token costs a decode of a few tokens, not of the whole output.
-
-Decoding a window and subtracting the decode of its already-read head (vLLM's prefix/read offsets) keeps
-tokenizer-specific joins (leading spaces, byte fallback) right, and text whose last character is still
-incomplete (a multi-byte character split across tokens decodes to U+FFFD) is held back until it completes.
-"""
+"""Incremental detokenization (vLLM's offsets); an incomplete trailing character is held back."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -32,9 +32,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """Parse a JSON body whatever its content type (plain `curl -d` sends form-encoded), with clear errors; a
-    documented field this worker does not honour is refused (``fields.py``), and so is a prefill worker this
-    decode worker was not told about (``inputs.check_prefill_hosts``)."""
+    """A JSON body of any content type (``curl -d`` sends form-encoded); refuses unhonoured fields and
+    prefill hosts this worker was not given."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -56,13 +55,12 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _is_union_tag(part: object) -> bool:
-    """Pydantic puts the union member an error is about ('list[str]', 'SGLangSamplingParams') in its path."""
+    """Whether a path element names a union member ('list[str]', 'SGLangSamplingParams')."""
     return isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[-"))
 
 
 def _describe(exc: RequestValidationError | ValidationError) -> str:
-    """One clause per field, from its deepest errors: for a union field that is the member the input came
-    closest to (``sampling_params.temperature: ...`` rather than ``sampling_params: should be a list``)."""
+    """One clause per field; for a union, the member the input came closest to."""
     fields: dict[object, tuple[int, dict[str, None]]] = {}
     for err in exc.errors():
         loc = [p for p in err.get("loc", ()) if p != "body"]

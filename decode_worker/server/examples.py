@@ -1,5 +1,4 @@
-"""Example bodies in each route's OpenAPI schema: documentation, and the requests the schema fuzz test is sure to
-send (random valid bodies seldom make a prompt the model accepts)."""
+"""Example bodies for the OpenAPI schema, which the schema fuzz test always sends."""
 from __future__ import annotations
 
 _PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 30001, "bootstrap_room": 8123456789}

@@ -1,11 +1,5 @@
-"""Every request field is honoured, refused, or (when no API documents it) ignored with a warning.
-
-SGLang's ``/generate`` and OpenAI's completion and chat schemas document fields this worker does not honour
-(multimodal inputs, logit bias, LoRA adapters, ...). A request that sets one to anything but its neutral value is
-refused with a 400 naming it: answering it as if it had been honoured would be a silent lie. A
-field neither API documents is ignored, as vLLM does, so routers and clients that add their own keep working; it
-is logged once per field, so an operator can see what is being dropped.
-"""
+"""Every request field is honoured, refused (400 naming it) or, when no API documents it, ignored and logged
+once (README)."""
 from __future__ import annotations
 
 import logging
@@ -67,8 +61,7 @@ _warned: set[tuple[str, str]] = set()
 
 
 def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
-    """Refuse (ValueError naming it) a documented field that is set and not honoured; warn once about a field
-    neither API documents. ``data`` is the raw JSON body of ``model``."""
+    """ValueError naming a set, documented, unhonoured field of ``data`` (raw body of ``model``); warns on unknown."""
     if not isinstance(data, dict):
         return  # the schema's own validation says what is wrong
     _check(model, data, ROUTES.get(where, {}), where, "")
@@ -81,7 +74,7 @@ def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
 
 @cache
 def _known(model: type[BaseModel]) -> frozenset[str]:
-    """The fields ``model`` declares, by name and alias: computed once per model, not per request."""
+    """The fields ``model`` declares, by name and alias."""
     return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 

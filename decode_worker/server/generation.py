@@ -1,7 +1,5 @@
-"""Running a route's prompts once they have passed ``admit``: to the end (``collect``) or event by event
-(``stream_events``). Whatever the client stops waiting for is aborted in the scheduler, so an abandoned request
-frees its KV pages. A stream that fails still ends every choice with a last event whose finish reason is an
-abort (SGLang's ``{"type": "abort", ...}``) before the error itself is raised to the SSE framing."""
+"""Running admitted prompts whole (``collect``) or as events (``stream_events``); what the client stops
+waiting for is aborted, freeing its KV pages."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +19,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request asks whether its cl
 
 
 class Collected:
-    """A request's output so far: tokens, streamed text, finish reason and cache figures."""
+    """A request's output so far: tokens, text, finish reason and cache figures."""
 
     def __init__(self, inp: GenerateInput, decode: Callable[[list[int]], str]):
         self.rid = inp.rid
@@ -47,8 +45,7 @@ class Collected:
         self.e2e_latency = time.monotonic() - self.started
 
     def abort(self, error: Exception) -> TokenEvent:
-        """End this output with ``error``: the finish reason SGLang gives an aborted request, and the empty last
-        event that carries it, so a route builds its usual final chunk."""
+        """End this output with ``error``: SGLang's abort finish reason, on an empty last event."""
         status = error.status if isinstance(error, RequestError) else 500
         message = str(error) if isinstance(error, RequestError) else f"internal error: {type(error).__name__}"
         self.finish_reason = {"type": "abort", "message": message, "status_code": status}
@@ -57,7 +54,7 @@ class Collected:
 
     @property
     def ids(self) -> list[int]:
-        """Output token ids; the detokenizer keeps the one list."""
+        """Output token ids."""
         return self.stream_text.ids
 
     @property
@@ -65,15 +62,14 @@ class Collected:
         return sum(self.cached.values())
 
     def text(self) -> str:
-        """Streamed text while running; the exact full decode, cut at a matched stop string, once finished."""
+        """Streamed text while running; the full decode, cut at a stop string, once finished."""
         if self.finish_reason is None:
             return self.stream_text.text
         return trim_stop_string(self.stream_text.decode(self.ids), self.finish_reason)
 
 
 async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
-    """Check every prompt, and compile its grammar, before any runs: a body with one prompt that cannot be served
-    is refused whole, with its HTTP status, before a stream has sent a status line."""
+    """Check every prompt and compile its grammar first: one unservable prompt refuses the body, before any stream."""
     for inp in inputs:
         engine.check_request(inp)
     for inp in inputs:
@@ -117,10 +113,8 @@ async def collect(engine: Engine, request: Request, inputs: list[GenerateInput])
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result; a client that goes away first cancels it (a 499 for the log, nobody reads it).
-
-    ``work`` runs in this task, not a new one, so its result goes out with no extra hop through the event loop
-    (a prefill's answer reaches its decode peer as soon as it exists); a watcher task cancels us instead."""
+    """``work``'s result, cancelled if the client goes away first (499 for the log); run in this task to save
+    an event-loop hop."""
     me = asyncio.current_task()
     gone = False
 
@@ -150,8 +144,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tuple[Collected, TokenEvent]]:
-    """Each event with the output so far; a stream left before its end (the client went away, or an error)
-    aborts the request. A failure first yields an abort event (``Collected.abort``), then raises."""
+    """Each event with the output so far; leaving early aborts. A failure yields an abort event, then raises."""
     c = _collected(engine, inp)
     stream: RequestStream | None = None
     finished = False
@@ -170,9 +163,8 @@ async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tup
 
 
 async def interleave(engine: Engine, inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Collected, TokenEvent]]:
-    """Every prompt's events as they come, with the prompt's index: a batch streams all its prompts at once. The
-    first error ends the whole stream: each prompt not finished yet gets its abort event, then the error is raised.
-    Leaving the stream early aborts what still runs."""
+    """Every prompt's events as they come, with its index; the first error aborts each unfinished prompt
+    (abort event) and raises."""
     queue: asyncio.Queue[tuple[int, Collected | None, TokenEvent | None, Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, inp: GenerateInput) -> None:

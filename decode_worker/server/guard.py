@@ -1,11 +1,5 @@
-"""What every request passes before a route runs: the API key, the body's size cap and deadline, and the cap on
-generation requests in flight.
-
-A plain ASGI middleware rather than route code, so that a request refused on its headers costs no body read and
-no parsing, and a streaming response keeps its concurrency slot until its last byte has gone. The body is read
-here, whole, before a generation request takes a slot: a client that sends headers and stalls its body holds
-no slot, and gets 408 when ``--request-body-timeout-s`` passes.
-"""
+"""What every request passes before a route: API key, body cap and deadline, concurrency cap (docs/security.md).
+ASGI middleware, so a header refusal reads no body and a stream keeps its slot to its end."""
 from __future__ import annotations
 
 import asyncio
@@ -31,14 +25,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def bearer_matches(authorization: str | None, api_key: str) -> bool:
-    """``Authorization: Bearer <key>``, compared in constant time so the answer's timing gives no prefix away."""
+    """``Authorization: Bearer <key>``, compared in constant time."""
     scheme, _, token = (authorization or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 @dataclass
 class Body:
-    """How reading a request's body ended: its bytes, or the refusal to send instead (None when the client left)."""
+    """A read body's bytes, or the refusal (None when the client left)."""
 
     data: bytes = b""
     refusal: Response | None = None
@@ -78,7 +72,7 @@ class RequestGuard:
             self.in_flight -= 1
 
     def _refusal(self, scope: Scope) -> Response | None:
-        """The error response for a request refused on its headers alone, or None to read its body."""
+        """The error response for a request refused on its headers alone, or None."""
         path = scope["path"]
         if self.api_key and path not in OPEN_PATHS:
             authorization = _header(scope, b"authorization")
@@ -91,8 +85,7 @@ class RequestGuard:
         return None
 
     def _busy(self, scope: Scope) -> Response | None:
-        """503 for a generation request past the cap; counted only once its body is in, so a client that stalls
-        its upload holds no slot."""
+        """503 for a generation request past the cap, counted once its body is in."""
         if scope["path"] in GENERATION_PATHS and self.in_flight >= self.max_concurrent:
             return error_response(f"server busy: {self.in_flight} generation requests in flight "
                                   f"(--max-concurrent-requests {self.max_concurrent}); retry later", 503, "overloaded")
@@ -102,10 +95,8 @@ class RequestGuard:
         return f"request body larger than --max-request-body-bytes ({self.max_body_bytes})"
 
     async def _read_body(self, receive: Receive) -> Body:
-        """The whole body, within ``body_timeout_s`` of its headers for all of it (a client trickling a byte a
-        second gains nothing) and within the size cap, which also holds for a body sent
-        without Content-Length. A refused body's connection is closed: its unread bytes must not be taken for
-        the next request."""
+        """The whole body within ``body_timeout_s`` of its headers and the size cap; a refused body's connection
+        is closed so its unread bytes are not read as the next request."""
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.body_timeout_s):
@@ -127,7 +118,7 @@ class RequestGuard:
 
     @staticmethod
     def _replay(data: bytes, receive: Receive) -> Receive:
-        """The route reads the body already in hand, then the connection's own messages (a disconnect)."""
+        """The body in hand, then the connection's own messages."""
         pending = True
 
         async def replay() -> Message:

@@ -1,5 +1,4 @@
-"""From a request body to scheduler inputs: what the SGLang and OpenAI routes share (per-prompt list fields,
-the PD bootstrap fields, prompt encoding, stop lists)."""
+"""From a request body to scheduler inputs: what the SGLang and OpenAI routes share."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,13 +16,12 @@ BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def pick(value: Any, i: int) -> Any:
-    """Prompt ``i``'s value of a field that is one value for all prompts or a list of one per prompt."""
+    """Prompt ``i``'s value of a field given once or per prompt."""
     return value[i] if isinstance(value, list) else value
 
 
 def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
-    """A list-valued field gives one value per prompt: one of another length is refused (400 naming it) rather
-    than pairing a prompt with another prompt's room, or failing on a missing entry."""
+    """A list-valued field of another length than the prompts is refused (400 naming it)."""
     for name in fields:
         value = getattr(body, name)
         if isinstance(value, list) and len(value) != n:
@@ -31,7 +29,7 @@ def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
 
 
 def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | None:
-    """Prompt ``i``'s prefill peer and transfer room, or None for a request that is not part of a PD pair."""
+    """Prompt ``i``'s prefill peer and room, or None outside a PD pair."""
     host, port, room = pick(body.bootstrap_host, i), pick(body.bootstrap_port, i), pick(body.bootstrap_room, i)
     if host is None and room is None:
         return None
@@ -44,9 +42,7 @@ def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | N
 
 
 async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
-    """A decode worker calls only the prefill workers ``--prefill-hosts`` names (it sends them its PD token): a
-    body naming another ``bootstrap_host`` is refused whole (400 naming it) before anything is sent. The list of
-    allowed hosts stays out of the message: any client may read it."""
+    """Refuse (400 naming it) a ``bootstrap_host`` outside ``--prefill-hosts``, without listing them."""
     if cfg.role != "decode" or getattr(body, "bootstrap_host", None) is None:
         return
     hosts = body.bootstrap_host if isinstance(body.bootstrap_host, list) else [body.bootstrap_host]
@@ -62,13 +58,12 @@ async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
 
 
 def _default_port(cfg: ServerConfig) -> int | None:
-    """A null bootstrap_port names prefill's handshake port: --bootstrap-port on a decode worker, while a prefill
-    worker (which gets the same body from the router) serves the handshake itself, on its own port."""
+    """A null bootstrap_port: --bootstrap-port on decode, the own port on prefill."""
     return cfg.bootstrap_port if cfg.role == "decode" else cfg.port
 
 
 def _url_host(host: str) -> str:
-    """A raw IPv6 address goes in brackets in the handshake URL."""
+    """A raw IPv6 address goes in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
@@ -86,8 +81,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
-    """``n`` samples of one prompt as ``n`` requests (the prefix cache makes the copies' prompts nearly free), each
-    with its own id and, when seeded, its own seed: the samples differ, and a repeat gives the same ones."""
+    """``n`` samples of one prompt as ``n`` requests, each with its own id and seed."""
     if n == 1:
         return [inp]
     seed = inp.params.seed

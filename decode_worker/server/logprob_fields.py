@@ -1,12 +1,11 @@
-"""Where a request's prompt logprobs start, from the fields SGLang and OpenAI clients send them in."""
+"""Where a request's prompt logprobs start, from SGLang's and OpenAI's fields."""
 from __future__ import annotations
 
 from decode_worker.core.request import RequestError
 
 
 def prompt_logprob_start(start: int | None, prompt_len: int, name: str) -> int | None:
-    """``start`` (SGLang's ``logprob_start_len``; -1 or None: no prompt logprobs) checked against the prompt: a
-    position past its last token scores nothing, and is refused rather than answered empty."""
+    """``start`` (-1/None: none) checked against the prompt: past its last token is refused."""
     if start is None or start == -1:
         return None
     if not 0 <= start < prompt_len:

@@ -1,8 +1,4 @@
-"""Models FastAPI cannot see, put in the OpenAPI schema: request bodies and streamed chunks.
-
-The routes read their body themselves (``parse_body``: any content type, since plain ``curl -d`` sends a form
-type, and errors in the project's shape), and stream chunks as SSE text, so FastAPI never meets those models.
-"""
+"""Request bodies and streamed chunks in the OpenAPI schema: routes parse and stream them themselves."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,7 +11,7 @@ _REF = "#/components/schemas/{model}"
 
 
 def json_body(model: type[BaseModel], examples: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``openapi_extra`` of a route whose JSON body is ``model``, with named example bodies."""
+    """``openapi_extra`` of a route whose JSON body is ``model``, with named examples."""
     media: dict[str, Any] = {"schema": {"$ref": _REF.format(model=model.__name__)}}
     if examples:
         media["examples"] = {name: {"value": value} for name, value in examples.items()}
@@ -23,7 +19,7 @@ def json_body(model: type[BaseModel], examples: dict[str, dict[str, Any]] | None
 
 
 def declare_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Add ``models`` (and the models they use) to the schema's components, once, when it is built."""
+    """Add ``models`` (and the models they use) to the schema's components once."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:

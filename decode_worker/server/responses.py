@@ -1,5 +1,4 @@
-"""What each route answers, declared for the OpenAPI schema so clients and the schema fuzz tests can hold the
-server to it. These models document; the routes build their answers as plain dicts."""
+"""What each route answers, declared for the OpenAPI schema; routes build plain dicts."""
 from __future__ import annotations
 
 from typing import Any
@@ -238,7 +237,7 @@ STREAM_CHUNKS = [GenerateChunk, CompletionChunk, ChatCompletionChunk]
 
 
 def sse_content(chunk: type[BaseModel]) -> dict[str, Any]:
-    """``stream: true``: each event's data is a JSON ``chunk`` or, mid-stream, an error; then ``[DONE]``."""
+    """``stream: true``: each event is a JSON ``chunk`` or a mid-stream error; then ``[DONE]``."""
     payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
                          {"$ref": "#/components/schemas/ErrorResponse"}]}
     data = {"anyOf": [{"const": "[DONE]"},
@@ -262,7 +261,7 @@ _WHY = {
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses for these error statuses, all in the one error shape (503 with Retry-After)."""
+    """OpenAPI responses for these statuses, in the one error shape (503 with Retry-After)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         out[status] = {"model": ErrorResponse, "description": _WHY[status]}
@@ -272,12 +271,11 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def auth_statuses(cfg: ServerConfig) -> tuple[int, ...]:
-    """401 on a route the guard holds to the API key, when this worker has one."""
+    """401 when this worker has an API key."""
     return (401,) if cfg.api_key else ()
 
 
 def generation_errors(cfg: ServerConfig) -> dict[int | str, dict[str, Any]]:
-    """The errors of the three generate routes; 502/504 on a decode worker, whose prefill peer can fail or miss a
-    deadline."""
+    """The generate routes' errors; 502/504 on a decode worker, whose prefill peer can fail."""
     transfer = (502, 504) if cfg.role == "decode" else ()
     return errors(400, *auth_statuses(cfg), 409, 413, 503, *transfer)

@@ -1,6 +1,4 @@
-"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``. Streams send text deltas
-(SGLang's ``/generate`` sends the output so far); SGLang's extras top_k, ignore_eos and the PD bootstrap fields
-are taken too."""
+"""OpenAI-compatible completions, chat and models routes, with SGLang's extras (top_k, ignore_eos, PD fields)."""
 from __future__ import annotations
 
 import time
@@ -45,8 +43,7 @@ from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
-    declared models document without re-validating each one."""
+    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
     routes = APIRouter()
     routes.add_api_route("/v1/completions", completions, methods=["POST"], response_model=None,
                          openapi_extra=json_body(CompletionRequest, COMPLETION_EXAMPLES),
@@ -102,8 +99,7 @@ def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[Generate
 
 async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: CompletionRequest, created: int,
                              model: str) -> AsyncIterator[dict]:
-    """All choices stream at once, each chunk naming its choice's index; with ``include_usage`` a last chunk
-    carries the usage."""
+    """All choices stream at once, each chunk naming its index; ``include_usage`` adds a last usage chunk."""
     sent, last = [""] * len(inputs), [None] * len(inputs)
     echoes = _echoes(body, inputs, engine)
     scored = body.echo and body.logprobs is not None  # the echo goes out with the prompt's logprobs, once scored
@@ -153,8 +149,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
 
 def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], per_choice: bool,
                 plan: ToolPlan | None) -> GenerateInput:
-    """A required call (tool_choice required or naming a function) holds the answer to the plan's schema of
-    calls, so it cannot also follow another grammar."""
+    """A required call holds the answer to the plan's schema, so no other grammar."""
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
     if body.top_logprobs and not body.logprobs:
@@ -171,8 +166,7 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], 
 
 async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCompletionRequest,
                        plan: ToolPlan | None, created: int, model: str) -> AsyncIterator[dict]:
-    """Each choice's assistant role first, then content and tool-call deltas as they come, then an empty delta with
-    its finish reason; with ``include_usage`` a last chunk carries the usage."""
+    """Per choice: role, content/tool-call deltas, finish reason; ``include_usage`` adds a usage chunk."""
 
     def chunk(index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -227,13 +221,13 @@ def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> Sampl
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:
-    """The body's prompts: a text or a list of token ids, and so may a batch's prompts be."""
+    """The body's prompts: a text or token ids, alone or in a batch."""
     batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
     return body.prompt if batch else [body.prompt]
 
 
 def _echoes(body: CompletionRequest, inputs: list[GenerateInput], engine: Engine) -> list[str]:
-    """Each choice's prompt as the caller sent it (token ids decoded) when ``echo`` asks for it, else ''."""
+    """Each choice's prompt as sent when ``echo`` asks, else ''."""
     if not body.echo:
         return [""] * len(inputs)
     texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in _prompts(body)]
@@ -248,14 +242,14 @@ def _completion_lp(engine: Engine, body: CompletionRequest, ids: list[int], logp
 
 
 def _echo_lp(engine: Engine, body: CompletionRequest, inp: GenerateInput, c: Collected) -> dict | None:
-    """The echoed prompt's logprobs (the first token's null: nothing precedes it), when echo asks for logprobs."""
+    """The echoed prompt's logprobs, when echo asks for logprobs."""
     if c.prompt_logprobs is None or body.logprobs is None:
         return None
     return prompt_completion_logprobs(_token_text(engine), inp.prompt_ids, c.prompt_logprobs, body.logprobs)
 
 
 def _joined(head: dict | None, tail: dict | None) -> dict | None:
-    """Two completion logprobs objects as one (the echoed prompt's, then the output's), each list after the other."""
+    """Two completion logprobs objects as one, each list after the other."""
     if head is None or tail is None:
         return head or tail
     return {key: head[key] + tail[key] if head[key] is not None else None for key in head}
@@ -271,8 +265,7 @@ def _token_text(engine: Engine):
 
 
 def _new_text(text: str, sent: str, finished: bool) -> str:
-    """What to send now: the text past ``sent``, holding back a trailing replacement character (a multi-byte
-    character whose remaining bytes are in tokens not generated yet) until the stream ends."""
+    """The text past ``sent``, holding back a trailing U+FFFD until the stream ends."""
     if not finished:
         text = text.rstrip("\ufffd")
     return text[len(sent):] if text.startswith(sent) else ""
@@ -283,7 +276,7 @@ def _envelope(rid: str, kind: str, created: int, model: str, choices: list[dict]
 
 
 def _usage(results: list[Collected], n: int) -> dict:
-    """Each prompt counts once (its ``n`` samples share it), every sample's output counts."""
+    """Each prompt counts once (its ``n`` samples share it); every sample's output counts."""
     prompts = results[::n]
     prompt_tokens = sum(c.prompt_tokens for c in prompts)
     completion_tokens = sum(len(c.ids) for c in results)
@@ -297,9 +290,7 @@ def _include_usage(body: OpenAISampling) -> bool:
 
 
 def _finish(c: Collected) -> str | None:
-    """An aborted choice (a failed stream, a grammar dead end) says ``content_filter``: OpenAI documents no abort
-    reason, and of the ones it does only that one means "cut short by the server, not complete" (a failed
-    stream's error event follows it and says why)."""
+    """An aborted choice says ``content_filter``, OpenAI's only reason meaning "cut short by the server"."""
     if c.finish_reason is None:
         return None
     return "content_filter" if c.finish_reason["type"] == "abort" else c.finish_reason["type"]

@@ -1,5 +1,4 @@
-"""What operators, probes, scrapers and routers call: health, server and model info, load, cache flush and
-Prometheus metrics."""
+"""Health, server and model info, load, cache flush and Prometheus metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -19,8 +18,7 @@ _INFO = {"description": "configuration (secrets left out), model, KV layout and 
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
-    declared models document without re-validating each one."""
+    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
     auth = auth_statuses(cfg)
     routes = APIRouter()
     routes.add_api_route("/health", health, methods=["GET"], response_model=None, response_class=Response,
@@ -50,7 +48,7 @@ def router(cfg: ServerConfig) -> APIRouter:
 
 
 def _not_ready(engine: Engine) -> Response | None:
-    """The probes' 503 in the usual error shape, or None once the engine is ready."""
+    """The probes' 503, or None once the engine is ready."""
     if engine.ready:
         return None
     return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")

@@ -1,6 +1,4 @@
-"""The prefill worker's end of the PD handshake: a decode worker says what KV it holds and where to push the rest.
-Included on a prefill worker only, and imported only there: the PD token check comes with the UCX handoff. Each
-refused handshake logs one line: the peer, the room and why."""
+"""The prefill worker's end of the PD handshake (prefill only); each refusal logs peer, room and why."""
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,4 @@
-"""SGLang's native ``/generate``: one prompt or a batch, as text or token ids, answered whole or streamed as
-chunks that each carry the output so far."""
+"""SGLang's native ``/generate``: text or token ids, one or a batch, whole or streamed (output so far)."""
 from __future__ import annotations
 
 import uuid
@@ -27,8 +26,7 @@ from decode_worker.server.structured import generate_grammar
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` decides which errors the schema declares. No response_model: answers are plain dicts, which the
-    declared models document without re-validating each one."""
+    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
     routes = APIRouter()
     routes.add_api_route("/generate", generate, methods=["POST"], response_model=None,
                          openapi_extra=json_body(GenerateRequest, GENERATE_EXAMPLES),
@@ -53,7 +51,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
 
 
 def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[GenerateInput]:
-    """One input per prompt and sample (``n`` of them), each with its own entry of every list-valued field."""
+    """One input per prompt and sample, with its own entry of each list-valued field."""
     texts = body.text if isinstance(body.text, list) else [body.text]
     ids = body.input_ids if batched and body.input_ids else [body.input_ids]
     n = len(texts) if body.text is not None else len(ids)
@@ -106,7 +104,7 @@ def _answer(c: Collected, inp: GenerateInput, text_of: Callable[[int], str] | No
 
 
 def _entry(logprob: float | None, token: int, text_of: Callable[[int], str] | None) -> list:
-    """SGLang's logprob entry: [logprob, token id, its text with return_text_in_logprobs else null]."""
+    """SGLang's logprob entry: [logprob, token id, text or null]."""
     return [logprob, token, text_of(token) if text_of else None]
 
 

@@ -1,4 +1,4 @@
-"""Request bodies of the SGLang- and OpenAI-compatible routes and of the PD handshake. Unknown fields are ignored."""
+"""Request bodies of the SGLang and OpenAI routes and the PD handshake. Unknown fields are ignored."""
 from __future__ import annotations
 
 import ipaddress
@@ -21,8 +21,7 @@ def _is_ip(text: str, version: int | None = None) -> bool:
 
 
 def _check_host(host: str) -> str:
-    """A hostname, an IP address or a bracketed IPv6 one: the decode worker builds the handshake URL from it, so
-    nothing that could change the URL's meaning (``/``, ``@``, ``?``) may pass."""
+    """A hostname, IP or bracketed IPv6: it goes into the handshake URL, so no ``/``, ``@`` or ``?``."""
     bracketed = host.startswith("[") and host.endswith("]") and _is_ip(host[1:-1], 6)
     if not (bracketed or _is_ip(host) or _HOSTNAME.fullmatch(host)):
         raise ValueError(f"{host!r} is not a hostname or an IP address")
@@ -101,8 +100,7 @@ class GenerateRequest(BootstrapFields):
 
 
 class JsonSchemaFormat(_Lenient):
-    """OpenAI's ``response_format.json_schema``. The output always keeps to the schema and adds no property it does
-    not declare, which is what ``strict: true`` asks (and more than ``strict: false`` promises)."""
+    """OpenAI's ``response_format.json_schema``: the output always keeps to it, as ``strict: true`` asks."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -160,7 +158,7 @@ class ContentPart(_Lenient):
 
 
 class FunctionDefinition(_Lenient):
-    """A function the model may call: its arguments follow ``parameters`` (a JSON schema; any object when absent).
+    """A function the model may call, its arguments held to ``parameters`` (any object when absent).
     ``strict`` is accepted as given: a required or named call is always held to the schema."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -224,9 +222,8 @@ class AbortRequest(_Lenient):
 
 
 class HandshakeRequest(_Lenient):
-    """Decode -> prefill: which room, the prompt and KV layout decode holds, its NIXL agent and the prefill agent it
-    already knows (``pd/handshake.py``). The PD token travels in the X-PD-Token header, never in the body (bodies
-    end up in logs and proxies' traces)."""
+    """Decode -> prefill: the room, the prompt and KV layout decode holds, and the NIXL agents
+    (``pd/handshake.py``). The PD token goes in the X-PD-Token header, never the body (bodies reach logs)."""
 
     room: Room
     prompt_len: int = Field(ge=1)
@@ -238,7 +235,7 @@ class HandshakeRequest(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_token_in_body(cls, data: Any) -> Any:
-        """An older decode worker still sends ``token`` in the body: say so rather than ignore it."""
+        """A ``token`` in the body (an older decode worker's) is refused, naming the header to use."""
         if isinstance(data, dict) and "token" in data:
             raise ValueError(f"field 'token' is not accepted in the handshake body: send the PD token in the "
                              f"{PD_TOKEN_HEADER} header")

@@ -1,4 +1,4 @@
-"""Run the HTTP server: the engine loads in the background so /health answers 503 until it is ready."""
+"""Run the HTTP server; the engine loads in the background (/health is 503 until ready)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ PROBES = frozenset({"/health", "/health_generate", "/metrics"})
 
 
 class QuietProbes(logging.Filter):
-    """Probes and scrapes come every few seconds and would drown the access log: they show at debug only."""
+    """Probes and scrapes show in the access log at debug only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()

@@ -1,7 +1,4 @@
-"""Server-sent events as SGLang and OpenAI streaming clients read them: a ``data:`` line per JSON chunk, an
-error raised mid-stream (any error: its status line went out with the first chunk) sent as a last
-``{"error": {...}}`` event, then ``data: [DONE]``. A request that fails has already had its last choice chunk,
-with an abort finish reason, from ``generation``; only a bug while building a chunk ends with the error alone."""
+"""Server-sent events: a ``data:`` line per chunk, a mid-stream error as a last event, then ``data: [DONE]``."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,4 @@
-"""Which grammar a request's output must follow, from the fields each API names it with: SGLang's ``json_schema``,
-``regex`` and ``ebnf`` sampling params on ``/generate``; on the OpenAI routes ``response_format`` (``json_object``,
-``json_schema``) and SGLang's ``regex`` / ``ebnf`` extras. The answer is ``SamplingParams``' grammar fields, with
-the field named so errors about the grammar name it; ``scheduler/grammar.py`` compiles and applies it."""
+"""A request's grammar, from each API's fields, as ``SamplingParams``' grammar fields (``scheduler/grammar.py``)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +17,7 @@ def generate_grammar(p: SGLangSamplingParams) -> dict[str, str]:
 
 
 def openai_grammar(body: OpenAISampling) -> dict[str, str]:
-    """The OpenAI routes: ``response_format`` json_object or json_schema, or a regex or ebnf extra; one at most."""
+    """OpenAI routes: ``response_format`` json_object/json_schema, or a regex or ebnf extra; one at most."""
     given: dict[str, tuple[str, str]] = {}
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":

@@ -1,2 +1,1 @@
-"""Tool calls on the chat route: the request's tools and tool_choice (``spec``), the prompt that shows them to the
-model (``render``), and the model's answer read back into OpenAI ``tool_calls`` (``parsers``, whole or streamed)."""
+"""Tool calls on the chat route: request (``spec``), prompt (``render``), and answer read back (``parsers``)."""

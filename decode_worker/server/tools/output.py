@@ -1,6 +1,4 @@
-"""One chat choice's answer in OpenAI's shape when tools are in play: the whole message, or stream deltas the way
-the official client's stream accumulator reads them (each call's index, id, type and name first, then its
-arguments; content deltas never carry call markup)."""
+"""A chat choice's answer in OpenAI's shape with tools: the whole message, or stream deltas."""
 from __future__ import annotations
 
 from decode_worker.server.tools.parsers import Item, Reader, ToolCall, read_all
@@ -8,7 +6,7 @@ from decode_worker.server.tools.spec import ToolPlan
 
 
 def chat_message(plan: ToolPlan | None, text: str) -> dict:
-    """The assistant message of a finished answer: its calls parsed out of ``text`` when a plan is given."""
+    """The finished answer's assistant message, calls parsed out when a plan is given."""
     if plan is None:
         return {"role": "assistant", "content": text}
     content, calls = read_all(plan.reader(), text)
@@ -19,12 +17,12 @@ def chat_message(plan: ToolPlan | None, text: str) -> dict:
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
-    """``tool_calls`` for an answer that ended by itself with calls in it; a cut-short one keeps its reason."""
+    """``tool_calls`` for an answer that ended by itself with calls; else its own reason."""
     return "tool_calls" if called and reason == "stop" else reason
 
 
 class ChoiceDeltas:
-    """One streamed choice: its text deltas in, chat deltas out."""
+    """One streamed choice: text deltas in, chat deltas out."""
 
     def __init__(self, plan: ToolPlan | None):
         self.reader: Reader | None = plan.reader() if plan is not None else None

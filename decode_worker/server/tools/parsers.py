@@ -1,15 +1,5 @@
-"""The model's answer read back into OpenAI tool calls, whole or as it streams.
-
-A reader takes the answer's text in pieces (``feed``) and hands out, in order, content text and complete tool
-calls; ``finish`` flushes what it held. Reading a whole answer is feeding it at once, so a streamed answer and the
-same answer unstreamed always agree. A call goes out once it is complete and well-formed: a stream never sends a
-call the whole answer would not have, and markup that does not parse (or names a function the request did not
-offer) stays content, as the model wrote it. Whitespace between content and a call is dropped.
-
-Formats are registered by name in ``FORMATS`` (``--tool-call-parser``); ``hermes`` (``<tool_call>{json}</tool_call>``)
-is the default. ``ArrayReader`` reads the bare JSON array that constrained decoding produces under ``tool_choice``
-``required`` or a named function.
-"""
+"""The model's answer read back into OpenAI tool calls; readers ``feed`` on text pieces, so streamed and
+whole answers agree. Formats: ``FORMATS`` (``--tool-call-parser``)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +20,7 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def message(self) -> dict:
-        """The call as an assistant message's ``tool_calls`` entry."""
+        """The call as a ``tool_calls`` entry."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -44,8 +34,7 @@ class Reader(Protocol):
 
 
 def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
-    """``{"name": ..., "arguments": {...}}`` naming one of ``names`` (arguments may come as JSON text of an object),
-    else None."""
+    """A call naming one of ``names`` (arguments may come as JSON text of an object), else None."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -65,8 +54,7 @@ def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
 
 
 class _Spacing:
-    """Drops the whitespace between content and a call: trailing whitespace is held until content follows it, and
-    whitespace right after a call is skipped."""
+    """Drops the whitespace between content and a call."""
 
     def __init__(self) -> None:
         self.held = ""
@@ -93,7 +81,7 @@ class _Spacing:
 
 
 def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that could be the start of ``tag``."""
+    """Length of the longest end of ``text`` that could start ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -114,8 +102,7 @@ def _in_string(text: str) -> bool:
 
 
 class TaggedReader:
-    """Calls wrapped in a start and an end tag, each a JSON object (Hermes: ``<tool_call>`` ... ``</tool_call>``).
-    An unclosed call at the end still counts when its JSON is complete (a model may stop before the end tag)."""
+    """Calls as JSON objects between tags (Hermes); an unclosed call counts once its JSON is complete."""
 
     def __init__(self, names: frozenset[str], start: str = "<tool_call>", end: str = "</tool_call>"):
         self.names, self.start, self.end = names, start, end
@@ -152,7 +139,7 @@ class TaggedReader:
         return out + self.spacing.finish()
 
     def _end_tag(self) -> int:
-        """Where the open call's end tag is, -1 while it has not come: a tag inside a JSON string is text."""
+        """The open call's end tag's index, -1 if not yet (a tag inside a JSON string is text)."""
         at = self.pending.find(self.end)
         while at >= 0 and _in_string(self.pending[:at]):
             at = self.pending.find(self.end, at + 1)
@@ -166,8 +153,7 @@ class TaggedReader:
 
 
 class ArrayReader:
-    """A JSON array of call objects, the shape constrained decoding produces: each element goes out once it
-    closes. Text that is not such an array stays content from where it goes wrong, as does an element cut short."""
+    """A JSON array of calls (constrained decoding's shape); what does not parse stays content."""
 
     def __init__(self, names: frozenset[str]):
         self.names = names
@@ -235,9 +221,7 @@ class ArrayReader:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model writes tool calls: ``marker`` shows in a chat template that renders them this way (so the
-    model's own template can show tools and past calls), ``reader`` reads them back, and ``call_end`` ends a call:
-    a stop string when only one call is allowed (the reader takes a call whose end was cut off)."""
+    """How a model writes calls: template ``marker``, ``reader``, and ``call_end`` to stop after one call."""
 
     name: str
     marker: str

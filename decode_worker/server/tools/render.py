@@ -1,11 +1,5 @@
-"""A chat conversation, with its tools, past calls and their results, as the prompt the model reads.
-
-A chat template that renders tools in the call format the worker reads back (it shows that format's marker) gets
-the conversation as OpenAI sends it, with ``tools``. Any other template (the embedded SmolLM2's knows only roles
-and text) gets plain role/content messages in the Hermes style: a system block listing each function's JSON
-definition and how to call it, past calls as ``<tool_call>`` JSON in the assistant's text, and results as
-``<tool_response>`` blocks in a user turn (consecutive results in one turn).
-"""
+"""A chat conversation with tools as the model's prompt: OpenAI messages for a template that shows the
+call format's marker, Hermes-style plain messages otherwise."""
 from __future__ import annotations
 
 import json
@@ -22,8 +16,7 @@ TOOLS_INTRO = ("# Tools\n\nYou may call functions to help with the user's reques
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[Tool], fmt: ToolFormat) -> list[int]:
-    """The prompt's token ids; ``tools`` empty when the model is not to see any (none given, or tool_choice none).
-    A malformed conversation is refused, naming the message at fault."""
+    """The prompt's token ids; ``tools`` empty if hidden. A malformed conversation is refused, naming the message."""
     _check_results(messages)
     template = tokenizer.chat_template
     native = fmt.marker in template and "tools" in template
@@ -37,8 +30,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[T
 
 
 def message_text(content: str | list[ContentPart] | None) -> str:
-    """OpenAI content parts joined into one text ('' for none); a part a text model cannot read is refused, not
-    dropped."""
+    """Content parts joined ('' for none); a part a text model cannot read is refused."""
     if not isinstance(content, list):
         return content or ""
     other = sorted({p.type for p in content} - {"text"})
@@ -49,7 +41,7 @@ def message_text(content: str | list[ContentPart] | None) -> str:
 
 
 def _check_results(messages: list[ChatMessage]) -> None:
-    """Each tool message answers a call an earlier assistant message made; calls only on assistant messages."""
+    """Each tool message answers an earlier call; calls only on assistant messages."""
     called: set[str] = set()
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":

@@ -1,7 +1,4 @@
-"""What a chat request asks of tools: which functions the model may call, and whether it may, must, or must call
-one named function. ``required`` and a named function are enforced by constrained decoding: the answer is held
-to a JSON schema of an array of calls to the allowed functions, each with its own arguments schema, so even a
-model that knows nothing of tools answers with a valid call."""
+"""What a chat request asks of tools; ``required`` and a named function are enforced by constrained decoding."""
 from __future__ import annotations
 
 import json
@@ -26,18 +23,15 @@ class ToolPlan:
         return frozenset(f["name"] for f in self.functions)
 
     def reader(self) -> Reader:
-        """Reads one choice's answer: the constrained JSON array when the call is required, else the model's own
-        format."""
+        """The constrained JSON array's reader when a call is required, else the model's format's."""
         return ArrayReader(self.names) if self.required else self.fmt.reader(self.names)
 
     def stop(self) -> list[str]:
-        """Stop strings the answer needs: with parallel calls off and the model free, it stops after its first
-        call."""
+        """Stop strings: after the first call when parallel calls are off and the model is free."""
         return [self.fmt.call_end] if not (self.required or self.parallel) else []
 
     def json_schema(self) -> str | None:
-        """The schema the answer is constrained to when a call is required: a non-empty array of calls (one when
-        a function is named or parallel calls are off), each ``{"name": <allowed>, "arguments": <its schema>}``."""
+        """A required call's schema: a non-empty array (one item if named or not parallel) of name/arguments."""
         if not self.required:
             return None
         calls = [_call_schema(f) for f in self.functions]
@@ -54,16 +48,14 @@ def _call_schema(function: dict) -> dict:
 
 
 def pick_format(flag: str, template: str) -> ToolFormat:
-    """``--tool-call-parser``: a format by name, or ``auto``: the registered format whose call marker the model's
-    chat template shows, else the default (Hermes)."""
+    """``--tool-call-parser``: a format by name, or ``auto``: the one the template shows, else Hermes."""
     if flag != "auto":
         return FORMATS[flag]
     return next((f for f in FORMATS.values() if f.marker in template), FORMATS[DEFAULT_FORMAT])
 
 
 def tool_plan(body: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
-    """The request's tool plan, or None when the model is not to call anything (no tools, or tool_choice
-    ``none``). Refuses (400 naming the field) a choice that cannot be met."""
+    """The tool plan, or None when nothing is to be called; an unmeetable choice is a 400 naming the field."""
     tools = body.tools or []
     functions = tuple(t.function.model_dump(exclude_none=True) for t in tools)
     names = [f["name"] for f in functions]
