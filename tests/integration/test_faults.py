@@ -256,7 +256,8 @@ async def kill_prefill(c: Cluster, rng: random.Random, scale: float) -> Episode:
         death = wall - time.time() + time.monotonic()
         ep.figures["death"] = "mid-transfer (answer sent, pages being read)"
         hit = [o for o in outcomes if o.room == room]
-        if len(hit) != 1 or not (hit[0].status == 200 or hit[0].status == 502 and "peer_lost" in hit[0].message):
+        lost = ("peer_lost", "cannot load prefill agent")  # the death came before or after decode loaded its agent
+        if len(hit) != 1 or not (hit[0].status == 200 or hit[0].status == 502 and any(m in hit[0].message for m in lost)):
             ep.problems.append(f"the request whose read the death cut: {hit}")  # 200: its read won the race
         else:
             ep.figures["mid_transfer_outcome"] = hit[0].status
@@ -527,7 +528,10 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
 @needs_redis
 @pytest.mark.slow  # ~4 min of nine workers: test_late_reads_never_serve_reused_pages keeps the wrong-KV check in the default run
 @pytest.mark.timeout(1200)
-def test_fault_schedule(tmp_path, smollm2_path):
+def test_fault_schedule(tmp_path, smollm2_path, monkeypatch):
+    # float32 workers: the episodes were sized for its speed (bf16 decodes faster, and pool_exhaustion's burst then
+    # ends before L1 runs out); outputs are compared with the cache-free answer in either dtype.
+    monkeypatch.setenv("DECODE_WORKER_DTYPE", "float32")
     with cluster(tmp_path, SEED) as c:
         run_schedule(c, SEED, rounds=1, scale=1.0)
 
@@ -566,7 +570,8 @@ def test_late_reads_never_serve_reused_pages(tmp_path, smollm2_path):
 @pytest.mark.slow
 @needs_redis
 @pytest.mark.timeout(900 * ROUNDS)
-def test_fault_schedule_long(tmp_path, smollm2_path):
+def test_fault_schedule_long(tmp_path, smollm2_path, monkeypatch):
+    monkeypatch.setenv("DECODE_WORKER_DTYPE", "float32")  # as test_fault_schedule
     with cluster(tmp_path, SEED + 1) as c:
         run_schedule(c, SEED + 1, rounds=ROUNDS, scale=2.0)
 
