@@ -1,1 +1,1 @@
-"""The PD data plane: a NIXL agent over the KV pool, and page addressing (docs/architecture.md)."""
+"""The PD data plane: a NIXL agent over the KV pool, and page addressing."""

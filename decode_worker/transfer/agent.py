@@ -1,8 +1,4 @@
-"""This worker's NIXL agent over its KV pool: peers, page reads into our own pages, notifications.
-
-Only our agent, or our copy out of a same-host peer's read-only mapping, writes our pages; no NIXL progress thread
-runs (it would spin a core). Design and costs: docs/architecture.md, "The PD protocol".
-"""
+"""This worker's NIXL agent over its KV pool: peers, page reads, notifications; no progress thread (it spins a core)."""
 from __future__ import annotations
 
 import asyncio
@@ -53,7 +49,7 @@ def shared_memory_enabled() -> bool:
 
 
 class TransferError(Exception):
-    """A failed transfer of one room; other rooms are not affected."""
+    """One room's failed transfer; other rooms go on."""
 
     def __init__(self, room: int, reason: str, detail: str = ""):
         if reason not in REASONS:
@@ -66,7 +62,7 @@ class TransferError(Exception):
 
 @dataclass(eq=False)
 class Peer:
-    """A remote agent whose metadata is loaded and whose pool's descriptors are prepared here."""
+    """A loaded remote agent and its pool's prepared descriptors."""
 
     name: str
     pool: PoolDescriptor
@@ -77,10 +73,10 @@ class Peer:
 
 
 class KVAgent:
-    """This worker's NIXL agent over its KV pool ``buffer`` (registered as host or device memory)."""
+    """Our NIXL agent over the KV pool ``buffer`` (host or device memory)."""
 
     def __init__(self, buffer: torch.Tensor, role: str, shared: SharedFile | None = None):
-        """``shared``: the memory file behind ``buffer`` (a shared ``KVPool``'s), served to peers on this host."""
+        """``shared``: the memory file behind ``buffer``, served to same-host peers."""
         self.name = f"{role}-{uuid.uuid4().hex[:12]}"
         self._map_peers = shared_memory_enabled()  # a bad value stops the worker at start, naming the variable
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
@@ -98,19 +94,18 @@ class KVAgent:
         self._loading: dict[str, asyncio.Task[Peer]] = {}  # by agent name: a load a second handshake waits for too
 
     def metadata(self) -> bytes:
-        """What a peer loads once to read our pool and notify us."""
+        """What peers load to read our pool and notify us."""
         return self.agent.get_agent_metadata()
 
     def peer(self, name: str) -> Peer | None:
         return self._peers.get(name)
 
     def add_peer(self, metadata: bytes, pool: PoolDescriptor) -> Peer:
-        """Load a peer's metadata and prepare its pool's descriptors, here and now; kept until ``drop_peer``."""
+        """Load a peer and prepare its descriptors (blocking); kept until ``drop_peer``."""
         return self._register(pool, *self._prepare(metadata, pool))
 
     async def load_peer(self, metadata: bytes, pool: PoolDescriptor, timeout_s: float) -> Peer:
-        """``add_peer`` on the ``kv-peer`` thread, waited for at most ``timeout_s`` (``TimeoutError``); a late load
-        still keeps the peer, and handshakes meanwhile share it."""
+        """``add_peer`` off the loop, awaited at most ``timeout_s``; a late load still keeps the peer."""
         if (peer := self._peers.get(pool.agent)) is not None:
             return peer
         if (task := self._loading.get(pool.agent)) is None:
@@ -128,7 +123,7 @@ class KVAgent:
             logger.debug("loading peer %s failed: %r", name, e)
 
     def _prepare(self, metadata: bytes, pool: PoolDescriptor) -> tuple[str, object]:
-        """The blocking part of adding a peer: its metadata loaded, its pool's descriptor list prepared."""
+        """The blocking part of ``add_peer``."""
         name = self.agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
@@ -143,7 +138,7 @@ class KVAgent:
         return peer
 
     def drop_peer(self, name: str) -> None:
-        """Forget a peer that was replaced (a restarted prefill has a new agent)."""
+        """Forget a replaced peer (a restarted prefill's old agent)."""
         peer = self._peers.pop(name, None)
         if peer is not None:
             self._unmap(peer)
@@ -151,7 +146,7 @@ class KVAgent:
             self.agent.remove_remote_agent(name)
 
     def _map(self, peer: Peer) -> None:
-        """Start asking for a same-host peer's pool off the loop; until mapped it is read over NIXL."""
+        """Ask for a same-host peer's pool off the loop; NIXL reads it meanwhile."""
         region = peer.pool.shared
         if region is None or "VRAM" in (peer.pool.mem, self.pool.mem) or not self._map_peers:
             return
@@ -162,7 +157,7 @@ class KVAgent:
                                     lambda mapped, why: self._attach(peer, mapped, why))
 
     def _attach(self, peer: Peer, mapped: MappedRegion | None, why: str) -> None:
-        """Give the peer its mapping, dropped when the peer exits; or log why it is read over NIXL."""
+        """Give the peer its mapping (dropped when it exits), or log why not."""
         if mapped is None:
             logger.warning("peer %s shares its KV pool on this host, but it is read over NIXL: %s", peer.name, why)
         elif self._peers.get(peer.name) is not peer:  # dropped while its pool was asked for
@@ -176,8 +171,7 @@ class KVAgent:
                 pass
 
     async def _connect(self, room: int, peer: Peer, deadline: float) -> bool:
-        """Read the peer's page 0 into a scratch page once before copying from its mapping: UCX connects lazily,
-        and the release notification would otherwise wait for a progress call that mapped reads never make."""
+        """Before mapped copies, one NIXL read of page 0: UCX connects lazily, and release notifications need it."""
         if self._scratch is None:
             page = torch.empty(self.pool.page_bytes, dtype=torch.uint8)
             self._scratch = (page, self.agent.register_memory([page]),
@@ -205,10 +199,10 @@ class KVAgent:
         peer.mapped = None
 
     async def read(self, room: int, peer: Peer, into: list[int], source: list[int], deadline: float) -> None:
-        """Copy ``peer``'s pages ``source`` into our pages ``into``, landing before ``deadline`` (``time.monotonic()``,
-        while the peer holds them), or raise ``TransferError``; ``ValueError`` for a page outside a pool.
+        """Copy ``peer``'s pages ``source`` into our ``into`` before ``deadline`` (``time.monotonic()``) or raise
+        ``TransferError``; ``ValueError`` for a page outside a pool.
 
-        Returns or raises only once nothing writes into ``into`` any more, even when cancelled.
+        Ends only once nothing writes into ``into``, even if cancelled.
         """
         if len(into) != len(source) or peer.pool.page_bytes != self.pool.page_bytes:
             raise TransferError(room, "size_mismatch", f"{len(source)} pages of {peer.pool.page_bytes} bytes into "
@@ -251,8 +245,7 @@ class KVAgent:
                                                          "written and must never be reused")
 
     async def _in_time(self, room: int, deadline: float, inline: bool, work: Callable[..., T], *args) -> T:
-        """``work(*args)`` on the loop (``inline``) or the copy thread; its result only if it ran wholly before
-        ``deadline``. Still queued then, it never runs; running, it is waited for."""
+        """``work(*args)`` inline or on the copy thread; its result only if it ran wholly before ``deadline``."""
         job = DeadlineJob(deadline)
         if inline:
             return self._checked(room, job, job.run(work, *args))
@@ -282,8 +275,7 @@ class KVAgent:
         return result
 
     def notify(self, peer: str, message: bytes) -> bool:
-        """A notification outside a transfer (one attached to a read would delay its completion by a round trip
-        through the peer's progress); False when the peer is gone."""
+        """Notify outside any read (an attached one slows the read); False when the peer is gone."""
         try:
             self.agent.send_notif(peer, message)
             return True
@@ -292,7 +284,7 @@ class KVAgent:
             return False
 
     def notifications(self) -> list[bytes]:
-        """Notifications that arrived since the last call, from any peer."""
+        """Notifications received since the last call, from any peer."""
         return [m for messages in self.agent.get_new_notifs().values() for m in messages]
 
     def close(self) -> None:
@@ -309,8 +301,7 @@ class KVAgent:
             self.agent.deregister_memory(self._scratch[1])
 
     def _copy_mapped(self, theirs: torch.Tensor, into: list[int], source: list[int]) -> None:
-        """Copy pages out of a peer's mapped pool (indices checked by ``read``), one memmove per run consecutive on
-        both sides: cheaper than ``copy_``, which may also wake torch's thread pool."""
+        """Copy from a peer's mapping (indices checked by ``read``), one memmove per consecutive run."""
         size, ours, base = self.pool.page_bytes, self._buffer.data_ptr(), theirs.data_ptr()
         start, n = 0, len(into)
         while start < n:
@@ -335,8 +326,7 @@ class KVAgent:
             return "ERR"
 
     async def _retire(self, room: int, handle, state: str) -> bool:
-        """Release the transfer, cancelling it or waiting up to ``RETIRE_S`` for its end. False when it could not be
-        stopped: the caller must never give those pages back."""
+        """Release the transfer, waiting up to ``RETIRE_S`` for its end; False if unstoppable: never reuse its pages."""
         for _ in range(int(RETIRE_S / POLL_S)):
             try:
                 handle.release()

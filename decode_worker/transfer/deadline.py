@@ -1,5 +1,4 @@
-"""The two rules a KV read lives by: bytes count only if copied before the deadline (while the peer held them),
-and pages stay ours until nothing writes into them any more."""
+"""A KV read's two rules: bytes count only if copied before the deadline; pages stay ours until nothing writes them."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +11,8 @@ from typing import TypeVar
 
 
 async def run_to_the_end(work: asyncio.Future, limit_s: float | None = None):
-    """Await ``work`` to its end even if cancelled meanwhile (then raise ``CancelledError``). With ``limit_s``,
-    raise ``TimeoutError`` once it ran that long: it goes on, and what it writes must be treated as never ending."""
+    """Await ``work``'s end even if cancelled meanwhile (then raise ``CancelledError``); past ``limit_s``, raise
+    ``TimeoutError`` while it still writes."""
     cancelled = False
     give_up = None if limit_s is None else time.monotonic() + limit_s
     while not work.done():
@@ -36,8 +35,8 @@ T = TypeVar("T")
 
 @dataclass(eq=False)
 class DeadlineJob:
-    """One copy or post that must start and end before ``deadline`` (``time.monotonic()``): it starts only if not
-    dropped and in time, and stamps ``ended`` after its last byte, so a stamp within the deadline proves it."""
+    """A copy or post that must run wholly before ``deadline``: it starts only in time and undropped, and stamps
+    ``ended`` after its last byte."""
 
     deadline: float
     started: bool = False
@@ -57,14 +56,14 @@ class DeadlineJob:
             self.ended = time.monotonic()
 
     def drop(self) -> bool:
-        """Keep a job that has not started from ever starting; True when it never will."""
+        """Stop an unstarted job from ever starting; True when it never will."""
         with self._lock:
             if not self.started:
                 self.dropped = True
             return self.dropped
 
     def missed(self) -> str:
-        """Why the job's result must not be used ("" when it may)."""
+        """Why the result must not be used; "" when it may."""
         if self.dropped:
             return "the read was due to start after its deadline"
         if self.ended > self.deadline:

@@ -1,5 +1,4 @@
-"""How a registered, page-major KV pool (``cache/pool.py``) is addressed, ours and a peer's: one descriptor per
-page, prepared once per side, so a transfer names pages by index."""
+"""Addressing a registered, page-major KV pool: one NIXL descriptor per page, so transfers name pages by index."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -12,7 +11,7 @@ from .pool_share import SharedRegion
 
 @dataclass(frozen=True)
 class PoolDescriptor:
-    """What a peer needs to address our pool's pages (sent in the handshake answer; plain ints, JSON-safe)."""
+    """What a peer needs to address our pool's pages (JSON-safe, in the handshake answer)."""
 
     agent: str  # the NIXL agent that registered it
     base: int  # address of page 0
@@ -36,13 +35,13 @@ class PoolDescriptor:
 
     @classmethod
     def from_dict(cls, d: dict) -> PoolDescriptor:
-        """A peer's descriptor; a ``shared`` region, unless null, must be well formed (``ValueError`` names the field)."""
+        """A peer's descriptor; ``ValueError`` names a malformed ``shared`` field."""
         shared = d.get("shared")
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k != "shared"},
                    shared=None if shared is None else SharedRegion.from_dict(shared))
 
     def table(self) -> np.ndarray:
-        """Every page as an ``[address, bytes, device]`` row, row ``i`` holding page ``i``."""
+        """Row ``i``: page ``i``'s ``[address, bytes, device]``."""
         rows = np.empty((self.num_pages, 3), dtype=np.uint64)
         rows[:, 0] = self.base + np.arange(self.num_pages, dtype=np.uint64) * self.page_bytes
         rows[:, 1] = self.page_bytes
@@ -50,8 +49,7 @@ class PoolDescriptor:
         return rows
 
     def indices(self, pages: list[int]) -> list[int]:
-        """Rows of ``table()`` holding ``pages``: the indices themselves, checked (``ValueError``), as the plain list
-        NIXL takes (building an array would cost more than the rest of a small read's set-up)."""
+        """The ``table()`` rows of ``pages``: the indices, range-checked (``ValueError``), as the list NIXL takes."""
         if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
             raise ValueError(f"page index outside the {self.num_pages}-page pool")
         return pages

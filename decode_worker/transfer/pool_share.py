@@ -1,8 +1,4 @@
-"""Handing a shared KV pool to a same-host peer: its file descriptor over an abstract Unix socket, never a path,
-only to a process of the owner's uid holding the key, and checked before it is mapped read-only.
-
-What each check guards: docs/security.md, "Sharing the pool safely".
-"""
+"""Hands a shared KV pool's fd (never a path) to same-host peers of our uid holding the key (docs/security.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -45,14 +41,13 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def socket_name(pid: int, socket_id: str) -> bytes:
-    """The abstract socket a pool's owner listens on, derived from its pid and the id it announced."""
+    """The owner's abstract socket, from its pid and id."""
     return f"\0{SOCKET_PREFIX}-{pid}-{socket_id}".encode()
 
 
 @dataclass(frozen=True)
 class SharedRegion:
-    """How a peer on this host asks for a shared pool (JSON-safe, sent in the handshake answer); ``key`` is a secret
-    kept out of ``repr`` and logs."""
+    """How a same-host peer asks for a pool (in the handshake answer); ``key`` is secret, out of ``repr``."""
 
     host: str  # boot id
     pid: int  # the owner's
@@ -65,7 +60,7 @@ class SharedRegion:
 
     @classmethod
     def from_dict(cls, d: object) -> SharedRegion:
-        """Parse and check a peer's region; ``ValueError`` names the bad field (``shared.<field>``)."""
+        """Parse and check a peer's region; ``ValueError`` names the bad field."""
         if not isinstance(d, dict):
             raise ValueError(f"shared: expected an object, got {type(d).__name__}")
         host = _field(d, "host", str)
@@ -88,14 +83,14 @@ def _field(d: dict, name: str, kind: type):
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
-    """``(pid, uid)`` of the process at the other end of a connected Unix socket, as the kernel recorded them."""
+    """The kernel's ``(pid, uid)`` of a Unix socket's other end."""
     pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     return pid, uid
 
 
 class PoolServer:
-    """Serves the sealed pool file, from its own thread, to peers of our uid that present the key. It sends its own
-    duplicate descriptor, never a number the owner closed and the process reused."""
+    """Serves the sealed pool file, from a thread, to our uid's peers holding the key; it sends its own dup, never an
+    fd number the process may have reused."""
 
     def __init__(self, shared: SharedFile):
         self._fd = os.dup(shared.fd)
@@ -116,7 +111,7 @@ class PoolServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving (the socket's name goes with it) and close our descriptor of the file."""
+        """Stop serving and close our descriptor."""
         if self._thread.is_alive():
             self._wake.send(b"x")
             self._thread.join(5)
@@ -189,7 +184,7 @@ class PoolServer:
         self._hang_up(selector, clients, conn)
 
     def _answer(self, conn: socket.socket, key: bytes) -> None:
-        """Send the file to a process of our uid that presents the key; anyone else gets a refusal without it."""
+        """The file for our uid with the key, else a refusal."""
         pid, uid = peer_credentials(conn)
         if uid != os.getuid():
             why = f"uid {uid} is not ours"
@@ -209,7 +204,7 @@ class PoolServer:
 
 
 def serve_pool(shared: SharedFile) -> PoolServer | None:
-    """Our pool's server; None, logged, where the host refuses one (peers then read over NIXL)."""
+    """Our pool's server, or None (logged) where the host refuses one: peers then use NIXL."""
     try:
         return PoolServer(shared)
     except OSError as e:
@@ -219,8 +214,8 @@ def serve_pool(shared: SharedFile) -> PoolServer | None:
 
 def ask_for_pool(region: SharedRegion, num_pages: int, page_bytes: int,
                  done: Callable[[MappedRegion | None, str], None]) -> asyncio.Task | None:
-    """Ask for ``region``'s pool and hand ``done`` the mapping or why not: on a thread under a running loop (the
-    task is returned, for ``settled``), here and now without one."""
+    """Hand ``done`` ``region``'s mapped pool or why not: on a thread under a running loop (returns the task, for
+    ``settled``), else at once."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -248,16 +243,15 @@ def _close_unclaimed(work: Future) -> None:
 
 
 async def settled(asking: asyncio.Task | None, deadline: float) -> None:
-    """Wait until ``asking`` (from ``ask_for_pool``) has ended, for at most ``MAP_TIMEOUT_S`` and never past
-    ``deadline`` (``time.monotonic()``)."""
+    """Wait for ``asking`` to end, at most ``MAP_TIMEOUT_S`` and never past ``deadline``."""
     if asking is not None and not asking.done():
         await asyncio.wait({asking}, timeout=max(0.0, min(deadline - time.monotonic(), MAP_TIMEOUT_S)))
 
 
 def receive_pool(region: SharedRegion, num_pages: int, page_bytes: int, timeout_s: float,
                  uid: int | None = None) -> tuple[MappedRegion | None, str]:
-    """Ask the owner of ``region`` for its pool and map it read-only: ``(mapping, "")`` or ``(None, why not)``. The
-    sender must be the pid ``region`` names, running as ``uid`` (default ours). Blocks up to ``timeout_s``."""
+    """Map ``region``'s pool read-only if its owner (``region.pid``, running as ``uid``) sends it within
+    ``timeout_s``: ``(mapping, "")`` or ``(None, why not)``."""
     deadline = time.monotonic() + timeout_s
     uid = os.getuid() if uid is None else uid
     if region.host != boot_id():
@@ -289,7 +283,7 @@ def receive_pool(region: SharedRegion, num_pages: int, page_bytes: int, timeout_
 
 
 def _fetch(region: SharedRegion, uid: int, deadline: float) -> tuple[int, str]:
-    """The file descriptor the owner of ``region`` sends once it gets the key: ``(fd, "")`` or ``(-1, why not)``."""
+    """The owner's fd, sent for the key: ``(fd, "")`` or ``(-1, why not)``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         try:
             sock.settimeout(max(0.0, deadline - time.monotonic()))
