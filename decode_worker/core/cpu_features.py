@@ -15,7 +15,7 @@ def native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 def auto_dtype(cuda: bool, cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
-    """(dtype, why): bfloat16 on CUDA and on a CPU with native bf16, else float32 (emulated bf16 is slower)."""
+    """(dtype, why): bfloat16 on CUDA or a CPU with native bf16, else float32 (emulated bf16 is slower)."""
     if cuda:
         return "bfloat16", "CUDA"
     flags = native_bf16_flags(cpuinfo)

@@ -1,4 +1,4 @@
-"""Page-locking host memory in place, so what is pinned is exactly what the sizing counted."""
+"""Page-locking host memory in place, so what is pinned is what the sizing counted."""
 from __future__ import annotations
 
 import weakref
@@ -7,8 +7,8 @@ import torch
 
 
 def pin_in_place(buffer: torch.Tensor, owner: object, cuda_available: bool | None = None) -> bool:
-    """Page-lock ``buffer``'s own bytes in place (``cudaHostRegister``) until ``owner`` is collected; False without
-    CUDA. Not ``pin_memory=True``: torch's host allocator rounds blocks up to a power of two."""
+    """Page-lock ``buffer``'s own bytes (``cudaHostRegister``) until ``owner`` is collected; False without CUDA. Not
+    ``pin_memory=True``: it rounds up to a power of two."""
     if not buffer.is_contiguous():
         raise ValueError("pin_in_place needs a contiguous tensor: a strided view's bytes are not one range")
     if not (torch.cuda.is_available() if cuda_available is None else cuda_available):

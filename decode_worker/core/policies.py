@@ -1,4 +1,4 @@
-"""Every choice a flag names, defined once as a ``StrEnum`` (a member equals its flag value)."""
+"""Each flag's choices, defined once as a ``StrEnum`` (a member equals its flag value)."""
 from __future__ import annotations
 
 from enum import StrEnum

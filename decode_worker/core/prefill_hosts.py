@@ -1,7 +1,4 @@
-"""Which prefill workers a decode worker may call (``--prefill-hosts``; rules in docs/security.md).
-
-Only the operator's names are resolved, never a client's ``bootstrap_host``.
-"""
+"""Which prefills a decode may call (``--prefill-hosts``, docs/security.md); only the operator's names are resolved."""
 from __future__ import annotations
 
 import asyncio
@@ -168,5 +165,5 @@ class PrefillHosts:
 
 @functools.cache
 def prefill_hosts(raw: str) -> PrefillHosts:
-    """The process's one allow-list per ``--prefill-hosts`` value, so intake and handshake share its cache."""
+    """One allow-list per ``--prefill-hosts`` value, so intake and handshake share its cache."""
     return PrefillHosts.from_flag(raw)

@@ -1,7 +1,4 @@
-"""Host memory a peer process on this host can map: a prefill worker's KV pool, read by its decode peers.
-
-A sealed memfd handed over as a descriptor, mapped read-only after ``check_memory_file`` (rules: docs/security.md).
-"""
+"""A prefill's KV pool in a sealed memfd that same-host peers map read-only once checked (docs/security.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +32,7 @@ def boot_id() -> str:
 
 @cache
 def mappable_bytes() -> int:
-    """The most a peer's pool may claim to hold: this host's physical memory."""
+    """The most a peer's pool may claim: this host's physical memory."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -48,7 +45,7 @@ class SharedFile:
 
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, SharedFile]:
-    """A zeroed host tensor in a sealed memory file peers can map, faulted in now; closed with ``owner``."""
+    """A zeroed host tensor in a sealed memfd peers can map, faulted in now; closed with ``owner``."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         raise ValueError("a shared buffer needs at least one byte")
@@ -69,8 +66,8 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> t
 
 
 def check_memory_file(fd: int, nbytes: int, uid: int) -> str:
-    """Why ``fd`` may not be mapped as a peer's pool of ``nbytes`` (``""``: it may). Only looks at ``fd``: never
-    opens a file or blocks."""
+    """Why ``fd`` must not be mapped as a peer's pool of ``nbytes`` (``""``: it may); looks at ``fd`` only, never
+    opens a path or blocks."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         return f"it sent a file of type {stat.filemode(st.st_mode)[0]!r}, not a regular file"
@@ -96,7 +93,7 @@ def check_memory_file(fd: int, nbytes: int, uid: int) -> str:
 
 @dataclass(eq=False)
 class MappedRegion:
-    """A peer's buffer mapped read-only, and a handle that tells when the peer exits."""
+    """A peer's buffer mapped read-only, and a pidfd that tells when the peer exits."""
 
     pages: torch.Tensor  # uint8 ``[num_pages, page_bytes]``; writing through it faults: it is read-only
     pidfd: int
@@ -126,7 +123,7 @@ def exited(pidfd: int) -> bool:
 
 
 def _filesystem(fd: int) -> int:
-    """The ``f_type`` of the filesystem ``fd`` lies on (``fstatfs``, missing from os)."""
+    """``fstatfs``'s ``f_type`` for ``fd`` (``os`` lacks ``fstatfs``)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
     if _libc().fstatfs(fd, buf) != 0:
         errno = ctypes.get_errno()

@@ -1,4 +1,4 @@
-"""Background tasks an object must outlive: the loop holds tasks weakly, a ``TaskSet`` holds them strongly."""
+"""Tasks an object must outlive (the loop holds them only weakly), and runs callers share."""
 from __future__ import annotations
 
 import asyncio
@@ -24,14 +24,14 @@ class TaskSet:
         return len(self._tasks)
 
     async def wait(self, timeout: float) -> None:
-        """Let the running tasks end, for up to ``timeout`` seconds (the caller cancels the rest)."""
+        """Let running tasks end, for up to ``timeout`` seconds; the caller cancels the rest."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
 
 class SharedRun:
-    """At most one run of a coroutine at a time: callers during a run, or within ``reuse_s`` of its end, share
-    its outcome. Bounds what an uncounted route such as ``/health_generate`` can cost."""
+    """At most one run at a time: callers during a run, or within ``reuse_s`` of its end, share its outcome, bounding
+    what an uncounted route such as ``/health_generate`` costs."""
 
     def __init__(self, reuse_s: float) -> None:
         self.reuse_s = reuse_s
