@@ -70,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_model_path(config.model_path)
-    from decode_worker.server.server import serve
+    from decode_worker.server.app import serve
 
     serve(config)
     return 0

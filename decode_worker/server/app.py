@@ -1,8 +1,14 @@
-"""The worker's HTTP app: the guard in front, errors in one JSON shape, a router per API family."""
+"""The worker's HTTP app (the guard in front, a router per API family) and the server that runs it."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
 from fastapi import FastAPI
 
+from decode_worker.config import ServerConfig
 from decode_worker.engine.engine import Engine
 from decode_worker.server import routes_openai, routes_ops, routes_sglang
 from decode_worker.server.errors import install_error_handlers
@@ -16,6 +22,10 @@ from decode_worker.server.schemas import (
     GenerateRequest,
     HandshakeRequest,
 )
+
+log = logging.getLogger("decode_worker")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PROBES = frozenset({"/health", "/health_generate", "/metrics"})
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -35,3 +45,45 @@ def create_app(engine: Engine) -> FastAPI:
     declare_models(app, [GenerateRequest, CompletionRequest, ChatCompletionRequest, HandshakeRequest, AbortRequest,
                          *STREAM_CHUNKS])
     return app
+
+
+class QuietProbes(logging.Filter):
+    """Probes and scrapes show in the access log at debug only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        probe = len(args) >= 3 and str(args[2]).split("?")[0] in PROBES
+        return not probe or logging.getLogger("uvicorn.access").isEnabledFor(logging.DEBUG)
+
+
+def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
+    """The app, its engine loading in the background (/health is 503 until ready)."""
+    engine = Engine(config)
+    app = create_app(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async def start() -> None:
+            try:
+                await engine.start()
+                log.info("ready: %s role, model %s, http://%s:%d", config.role, engine.model_name, config.host, config.port)
+            except Exception as e:  # stay up and say why in /health rather than die without a word
+                log.exception("start-up failed")
+                engine.not_ready_reason = f"start-up failed: {e}"
+
+        task = asyncio.create_task(start())
+        yield
+        task.cancel()
+        await engine.shutdown()
+
+    app.router.lifespan_context = lifespan
+    return app, engine
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
+    app, _ = build_app(config)
+    # log_config=None: uvicorn's loggers go through the root handler above, so every line has one format.
+    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
+                log_config=None, timeout_graceful_shutdown=15)

@@ -23,9 +23,9 @@ def nothing_starts(monkeypatch):
         raise AssertionError("started despite a bad setting")
 
     import decode_worker.model.embedded
-    import decode_worker.server.server
+    import decode_worker.server.app
 
-    monkeypatch.setattr(decode_worker.server.server, "serve", refuse)
+    monkeypatch.setattr(decode_worker.server.app, "serve", refuse)
     monkeypatch.setattr(decode_worker.model.embedded, "ensure_default_model", refuse)
     monkeypatch.setattr(cli, "run_up", refuse)
 
