@@ -1,18 +1,13 @@
 """JSON errors in one shape for every route: {"error": {"message", "type", "code"}}."""
 from __future__ import annotations
 
-import json
-from typing import TypeVar
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from decode_worker.core.request import RequestError
-from decode_worker.server.fields import check_fields
-from decode_worker.server.inputs import check_prefill_hosts
 
 RETRY_AFTER_S = 1  # every 503 says when to come back: not ready yet, shutting down, or busy
 
@@ -28,29 +23,6 @@ def error_response(message: str, status: int, kind: str = "invalid_request_error
     return JSONResponse(error_body(message, status, kind), status_code=status, headers=headers)
 
 
-Body = TypeVar("Body", bound=BaseModel)
-
-
-async def parse_body(request: Request, model: type[Body]) -> Body:
-    """A JSON body of any content type (``curl -d`` sends form-encoded); refuses unhonoured fields and
-    prefill hosts this worker was not given."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"malformed JSON body: {e}") from e
-    try:
-        check_fields(model, data, request.url.path)
-    except ValueError as e:
-        raise RequestError(str(e)) from e
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        raise RequestError(_describe(e)) from e
-    await check_prefill_hosts(body, request.app.state.engine.config)
-    return body
-
-
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -59,7 +31,7 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[-"))
 
 
-def _describe(exc: RequestValidationError | ValidationError) -> str:
+def describe(exc: RequestValidationError | ValidationError) -> str:
     """One clause per field; for a union, the member the input came closest to."""
     fields: dict[object, tuple[int, dict[str, None]]] = {}
     for err in exc.errors():
@@ -79,7 +51,7 @@ def _describe(exc: RequestValidationError | ValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        return error_response(_describe(exc), 400)
+        return error_response(describe(exc), 400)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):

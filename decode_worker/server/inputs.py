@@ -1,44 +1,53 @@
-"""From a request body to scheduler inputs: what the SGLang and OpenAI routes share."""
+"""A request's engine and body, and what the SGLang and OpenAI routes share in making scheduler inputs of it."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
 
 from decode_worker.config import ServerConfig
 from decode_worker.core.prefill_hosts import prefill_hosts
 from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
+from decode_worker.engine.engine import Engine
 from decode_worker.model.tokenizer import Tokenizer
-from decode_worker.server.schemas import BootstrapFields
+from decode_worker.server.errors import describe
+from decode_worker.server.schemas import BootstrapFields, OpenAISampling, SGLangSamplingParams, check_fields
 
 BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+ANY_OBJECT = '{"type": "object"}'  # json_object, and a json_schema format without a schema
+Body = TypeVar("Body", bound=BaseModel)
 
 
-def pick(value: Any, i: int) -> Any:
-    """Prompt ``i``'s value of a field given once or per prompt."""
-    return value[i] if isinstance(value, list) else value
+async def get_engine(request: Request) -> Engine:
+    """Async, so FastAPI calls it on the event loop, not in a thread."""
+    return request.app.state.engine
 
 
-def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
-    """A list-valued field of another length than the prompts is refused (400 naming it)."""
-    for name in fields:
-        value = getattr(body, name)
-        if isinstance(value, list) and len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for {n} prompt{'s' if n != 1 else ''}")
+EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
-def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | None:
-    """Prompt ``i``'s prefill peer and room, or None outside a PD pair."""
-    host, port, room = pick(body.bootstrap_host, i), pick(body.bootstrap_port, i), pick(body.bootstrap_room, i)
-    if host is None and room is None:
-        return None
-    if host is None or room is None:
-        raise RequestError("bootstrap_host and bootstrap_room must be given together")
-    port = port if port is not None else _default_port(cfg)
-    if port is None:
-        raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
-    return Bootstrap(_url_host(host), int(port), int(room))
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """A JSON body of any content type (``curl -d`` sends form-encoded); refuses unhonoured fields and
+    prefill hosts this worker was not given."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"malformed JSON body: {e}") from e
+    try:
+        check_fields(model, data, request.url.path)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(describe(e)) from e
+    await check_prefill_hosts(body, request.app.state.engine.config)
+    return body
 
 
 async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
@@ -57,14 +66,17 @@ async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
                                "may call: the operator lists them in --prefill-hosts")
 
 
-def _default_port(cfg: ServerConfig) -> int | None:
-    """A null bootstrap_port: --bootstrap-port on decode, the own port on prefill."""
-    return cfg.bootstrap_port if cfg.role == "decode" else cfg.port
+def pick(value: Any, i: int) -> Any:
+    """Prompt ``i``'s value of a field given once or per prompt."""
+    return value[i] if isinstance(value, list) else value
 
 
-def _url_host(host: str) -> str:
-    """A raw IPv6 address goes in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
+    """A list-valued field of another length than the prompts is refused (400 naming it)."""
+    for name in fields:
+        value = getattr(body, name)
+        if isinstance(value, list) and len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompt{'s' if n != 1 else ''}")
 
 
 def encode(tokenizer: Tokenizer, text: str | None, ids: list[int] | None) -> list[int]:
@@ -80,6 +92,76 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+def prompt_logprob_start(start: int | None, prompt_len: int, name: str) -> int | None:
+    """``start`` (-1/None: none) checked against the prompt: past its last token is refused."""
+    if start is None or start == -1:
+        return None
+    if not 0 <= start < prompt_len:
+        raise RequestError(f"{name} must be -1 (output logprobs only) or a prompt position in [0, {prompt_len}), "
+                           f"got {start}")
+    return start
+
+
+def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | None:
+    """Prompt ``i``'s prefill peer and room, or None outside a PD pair."""
+    host, port, room = pick(body.bootstrap_host, i), pick(body.bootstrap_port, i), pick(body.bootstrap_room, i)
+    if host is None and room is None:
+        return None
+    if host is None or room is None:
+        raise RequestError("bootstrap_host and bootstrap_room must be given together")
+    port = port if port is not None else _default_port(cfg)
+    if port is None:
+        raise RequestError("bootstrap_port is null and this worker has no --bootstrap-port default")
+    return Bootstrap(_url_host(host), int(port), int(room))
+
+
+def _default_port(cfg: ServerConfig) -> int | None:
+    """A null bootstrap_port: --bootstrap-port on decode, the own port on prefill."""
+    return cfg.bootstrap_port if cfg.role == "decode" else cfg.port
+
+
+def _url_host(host: str) -> str:
+    """A raw IPv6 address goes in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bootstrap_per_choice(body: BaseModel, prompts: int, total: int) -> bool:
+    """True when the bootstrap fields give one entry per choice, False when one per prompt; else refused."""
+    lists = {name: len(v) for name in BOOTSTRAP if isinstance(v := getattr(body, name), list)}
+    lengths = set(lists.values())
+    if len(lengths) > 1:  # name the field that disagrees with the prompts (or, failing that, with the others)
+        name, length = min(lists.items(), key=lambda item: (item[1] in (prompts, total), item[0]))
+        raise RequestError(f"{name} has {length} entries for {prompts} prompts; {', '.join(BOOTSTRAP)} must have as "
+                           "many entries each")
+    if not lengths or lengths == {prompts}:
+        return False
+    if lengths == {total}:
+        return True
+    per_choice = f" or {total} (one per choice)" if total != prompts else ""
+    name, length = next(iter(lists.items()))
+    raise RequestError(f"{name} has {length} entries: give {prompts} (one per prompt){per_choice}")
+
+
+def choice_room(room: int, j: int) -> int:
+    """Choice ``j``'s room, hashed from the prompt's (choice 0 keeps it), alike on prefill and decode."""
+    if j == 0:
+        return room
+    return int.from_bytes(hashlib.sha256(f"{room}/{j}".encode()).digest()[:8], "big")
+
+
+def choice_inputs(inp: GenerateInput, n: int, body: BaseModel, first: int | None,
+                  cfg: ServerConfig) -> list[GenerateInput]:
+    """``inp``'s ``n`` choices, each a request with its own id, seed and room (README's ``n`` paragraph says why);
+    ``first``: their first bootstrap entry, None when per prompt."""
+    samples = fan_out(replace(inp, bootstrap=None), n)
+    if first is not None:
+        boots = [bootstrap(body, first + j, cfg) for j in range(n)]
+    else:
+        base = inp.bootstrap
+        boots = [None if base is None else replace(base, room=choice_room(base.room, j)) for j in range(n)]
+    return [replace(s, bootstrap=b) for s, b in zip(samples, boots)]
+
+
 def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
     """``n`` samples of one prompt as ``n`` requests, each with its own id and seed."""
     if n == 1:
@@ -87,3 +169,37 @@ def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
     seed = inp.params.seed
     seeds = [None if seed is None else (seed + j) % 2**64 for j in range(n)]
     return [replace(inp, rid=f"{inp.rid}-{j}", params=replace(inp.params, seed=s)) for j, s in enumerate(seeds)]
+
+
+def generate_grammar(p: SGLangSamplingParams) -> dict[str, str]:
+    """``/generate``'s grammar as ``SamplingParams`` fields: at most one of json_schema, regex and ebnf."""
+    given = {f"sampling_params.{kind}": (kind, text) for kind in ("json_schema", "regex", "ebnf")
+             if (text := getattr(p, kind)) is not None}
+    return _one_grammar(given)
+
+
+def openai_grammar(body: OpenAISampling) -> dict[str, str]:
+    """The OpenAI routes' grammar: ``response_format`` json_object/json_schema, or a regex or ebnf extra."""
+    given: dict[str, tuple[str, str]] = {}
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = ("json_schema", ANY_OBJECT)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise RequestError("response_format.json_schema is required with type 'json_schema'")
+        schema = fmt.json_schema.schema_
+        given["response_format.json_schema.schema"] = ("json_schema", ANY_OBJECT if schema is None
+                                                       else json.dumps(schema))
+    for kind in ("regex", "ebnf"):
+        if (text := getattr(body, kind)) is not None:
+            given[kind] = (kind, text)
+    return _one_grammar(given)
+
+
+def _one_grammar(given: dict[str, tuple[str, str]]) -> dict[str, str]:
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)} each ask for a grammar: give one of them")
+    if not given:
+        return {}
+    (name, (kind, text)), = given.items()
+    return {kind: text, "grammar_field": name}

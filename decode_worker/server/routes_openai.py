@@ -13,12 +13,17 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
-from decode_worker.server.choices import bootstrap_per_choice, choice_inputs
-from decode_worker.server.dependencies import EngineDep
-from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave
-from decode_worker.server.inputs import bootstrap, stop_list
+from decode_worker.server.inputs import (
+    EngineDep,
+    bootstrap,
+    bootstrap_per_choice,
+    choice_inputs,
+    openai_grammar,
+    parse_body,
+    stop_list,
+)
 from decode_worker.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_completion_logprobs
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import (
@@ -36,7 +41,6 @@ from decode_worker.server.responses import (
 )
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from decode_worker.server.sse import sse_response
-from decode_worker.server.structured import openai_grammar
 from decode_worker.server.tools.output import ChoiceDeltas, chat_message, finish_reason
 from decode_worker.server.tools.render import chat_prompt
 from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan

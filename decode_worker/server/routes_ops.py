@@ -6,8 +6,8 @@ from fastapi.responses import PlainTextResponse, Response
 
 from decode_worker.config import ServerConfig, package_version
 from decode_worker.engine.engine import Engine
-from decode_worker.server.dependencies import EngineDep
-from decode_worker.server.errors import error_response, parse_body
+from decode_worker.server.errors import error_response
+from decode_worker.server.inputs import EngineDep, parse_body
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import AbortResult, FlushResult, Load, ModelInfo, Version, auth_statuses, errors
 from decode_worker.server.schemas import AbortRequest

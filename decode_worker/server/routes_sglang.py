@@ -11,18 +11,25 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
-from decode_worker.server.choices import bootstrap_per_choice, choice_inputs
-from decode_worker.server.dependencies import EngineDep
-from decode_worker.server.errors import parse_body
 from decode_worker.server.examples import GENERATE_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave, stream_events
-from decode_worker.server.inputs import bootstrap, encode, per_prompt, pick, stop_list
-from decode_worker.server.logprob_fields import prompt_logprob_start
+from decode_worker.server.inputs import (
+    EngineDep,
+    bootstrap,
+    bootstrap_per_choice,
+    choice_inputs,
+    encode,
+    generate_grammar,
+    parse_body,
+    per_prompt,
+    pick,
+    prompt_logprob_start,
+    stop_list,
+)
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
 from decode_worker.server.sse import sse_response
-from decode_worker.server.structured import generate_grammar
 
 
 def router(cfg: ServerConfig) -> APIRouter:

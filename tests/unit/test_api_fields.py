@@ -6,9 +6,16 @@ import logging
 
 import pytest
 
-from decode_worker.server import fields
-from decode_worker.server.fields import GENERATE, OPENAI, SAMPLING, check_fields
-from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from decode_worker.server import schemas
+from decode_worker.server.schemas import (
+    GENERATE,
+    OPENAI,
+    SAMPLING,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    check_fields,
+)
 
 # One value per refused field that asks for something this worker does not do.
 ASKING = {
@@ -64,8 +71,8 @@ def test_openai_routes_refuse_each_documented_field_they_do_not_honour(route, mo
 
 
 def test_an_undocumented_field_is_ignored_with_one_warning(caplog):
-    fields._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="decode_worker.server.fields"):
+    schemas._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="decode_worker.server.schemas"):
         for _ in range(3):
             check_fields(GenerateRequest, {"text": "hi", "my_router_tag": 1, "sampling_params": {"my_knob": 2}},
                          "/generate")

@@ -8,7 +8,7 @@ import pytest
 from decode_worker.config import ServerConfig
 from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
 from decode_worker.core.sampling import SamplingParams
-from decode_worker.server.choices import bootstrap_per_choice, choice_inputs, choice_room
+from decode_worker.server.inputs import bootstrap_per_choice, choice_inputs, choice_room
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest
 
 CFG = ServerConfig(role="decode", bootstrap_port=9000)
