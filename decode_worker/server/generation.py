@@ -1,21 +1,50 @@
-"""Running admitted prompts whole (``collect``) or as events (``stream_events``); what the client stops
-waiting for is aborted, freeing its KV pages."""
+"""Running admitted prompts whole (``collect``) or as events (``stream_events``, sent as server-sent events);
+what the client stops waiting for is aborted, freeing its KV pages."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from decode_worker.core.request import GenerateInput, PromptLogprobs, RequestError, RequestStream, TokenEvent
 from decode_worker.core.sequence import trim_stop_string
 from decode_worker.engine.engine import Engine
-from decode_worker.server.detokenize import IncrementalText
+from decode_worker.server.errors import error_body
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request asks whether its client is still there
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
+
+
+@dataclass
+class IncrementalText:
+    """Incremental detokenization (vLLM's offsets); an incomplete trailing character is held back."""
+
+    decode: Callable[[list[int]], str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # complete text so far
+    prefix_offset: int = 0  # window start: tokens before it are final
+    read_offset: int = 0  # tokens up to here are in ``text``
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; returns the text they completed (possibly empty)."""
+        self.ids += new_ids
+        head = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        window = self.decode(self.ids[self.prefix_offset :])
+        if len(window) <= len(head) or window.endswith("\ufffd"):
+            return ""
+        delta = window[len(head) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
 
 
 class Collected:
@@ -74,6 +103,11 @@ async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
         engine.check_request(inp)
     for inp in inputs:
         await engine.compile_grammar(inp)
+
+
+def token_text(engine: Engine) -> Callable[[int], str]:
+    """One token's text, special tokens included, for logprob entries."""
+    return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _collected(engine: Engine, inp: GenerateInput) -> Collected:
@@ -204,3 +238,24 @@ async def _cancel(tasks: list[asyncio.Future]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _event(data: dict | str) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+async def _framed(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield _event(chunk)
+    except RequestError as e:  # the scheduler logged the request's failure
+        yield _event(error_body(str(e), e.status, e.kind))
+    except Exception as e:  # a bug while building a chunk: the client still hears of it, and the stream ends
+        log.exception("stream failed")
+        yield _event(error_body(f"internal error: {type(e).__name__}: {e}", 500, "internal_error"))
+    yield _event("[DONE]")
+
+
+def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """A ``data:`` line per chunk, a mid-stream error as a last event, then ``data: [DONE]``."""
+    return StreamingResponse(_framed(chunks), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from decode_worker.config import ServerConfig
-from decode_worker.core.request import GenerateInput, RequestError
+from decode_worker.core.request import GenerateInput, PromptLogprobs, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
 from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
-from decode_worker.server.generation import Collected, admit, collect, interleave
+from decode_worker.server.generation import Collected, admit, collect, interleave, sse_response, token_text
 from decode_worker.server.inputs import (
     EngineDep,
     bootstrap,
@@ -24,7 +24,6 @@ from decode_worker.server.inputs import (
     parse_body,
     stop_list,
 )
-from decode_worker.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_completion_logprobs
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import (
     ChatCompletionChunk,
@@ -40,7 +39,6 @@ from decode_worker.server.responses import (
     sse_content,
 )
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
-from decode_worker.server.sse import sse_response
 from decode_worker.server.tools.output import ChoiceDeltas, chat_message, finish_reason
 from decode_worker.server.tools.render import chat_prompt
 from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan
@@ -242,14 +240,14 @@ def _completion_lp(engine: Engine, body: CompletionRequest, ids: list[int], logp
                    top: list[list[tuple[int, float]]], offset: int) -> dict | None:
     if body.logprobs is None:
         return None
-    return completion_logprobs(_token_text(engine), ids, logprobs, top, body.logprobs, offset)
+    return completion_logprobs(token_text(engine), ids, logprobs, top, body.logprobs, offset)
 
 
 def _echo_lp(engine: Engine, body: CompletionRequest, inp: GenerateInput, c: Collected) -> dict | None:
     """The echoed prompt's logprobs, when echo asks for logprobs."""
     if c.prompt_logprobs is None or body.logprobs is None:
         return None
-    return prompt_completion_logprobs(_token_text(engine), inp.prompt_ids, c.prompt_logprobs, body.logprobs)
+    return prompt_completion_logprobs(token_text(engine), inp.prompt_ids, c.prompt_logprobs, body.logprobs)
 
 
 def _joined(head: dict | None, tail: dict | None) -> dict | None:
@@ -261,11 +259,7 @@ def _joined(head: dict | None, tail: dict | None) -> dict | None:
 
 def _chat_lp(engine: Engine, body: ChatCompletionRequest, ids: list[int], logprobs: list[float],
              top: list[list[tuple[int, float]]]) -> dict | None:
-    return chat_logprobs(_token_text(engine), ids, logprobs, top) if body.logprobs else None
-
-
-def _token_text(engine: Engine):
-    return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
+    return chat_logprobs(token_text(engine), ids, logprobs, top) if body.logprobs else None
 
 
 def _new_text(text: str, sent: str, finished: bool) -> str:
@@ -298,3 +292,38 @@ def _finish(c: Collected) -> str | None:
     if c.finish_reason is None:
         return None
     return "content_filter" if c.finish_reason["type"] == "abort" else c.finish_reason["type"]
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float],
+                        top: list[list[tuple[int, float]]], k: int, offset: int = 0) -> dict:
+    """``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (from ``offset``)."""
+    tokens = [text_of(t) for t in ids]
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    alternatives = [{text_of(t): lp for t, lp in row} for row in top] if k else None
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": alternatives, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(text_of: TokenText, prompt_ids: list[int], scored: PromptLogprobs, k: int) -> dict:
+    """The echoed prompt's logprobs, offsets from 0; its first token's logprob and alternatives are null."""
+    out = completion_logprobs(text_of, prompt_ids[scored.start:], scored.logprobs, scored.top, k)
+    if k:
+        out["top_logprobs"] = [row if lp is not None else None for row, lp in zip(out["top_logprobs"], scored.logprobs)]
+    return out
+
+
+def chat_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float],
+                  top: list[list[tuple[int, float]]]) -> dict:
+    """``content``: per token its text, logprob, UTF-8 bytes and best alternatives."""
+    rows = top if top else [[] for _ in ids]
+    return {"content": [{**_entry(text_of(t), lp), "top_logprobs": [_entry(text_of(a), alp) for a, alp in row]}
+                        for t, lp, row in zip(ids, logprobs, rows)]}
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -12,7 +12,15 @@ from decode_worker.core.request import GenerateInput
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
 from decode_worker.server.examples import GENERATE_EXAMPLES
-from decode_worker.server.generation import Collected, admit, collect, interleave, stream_events
+from decode_worker.server.generation import (
+    Collected,
+    admit,
+    collect,
+    interleave,
+    sse_response,
+    stream_events,
+    token_text,
+)
 from decode_worker.server.inputs import (
     EngineDep,
     bootstrap,
@@ -29,7 +37,6 @@ from decode_worker.server.inputs import (
 from decode_worker.server.openapi import json_body
 from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
-from decode_worker.server.sse import sse_response
 
 
 def router(cfg: ServerConfig) -> APIRouter:
@@ -49,7 +56,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
     inputs = _inputs(body, batched, engine)
     batched = batched or len(inputs) > 1  # n > 1 answers a list, as SGLang does
     await admit(engine, inputs)
-    text_of = _token_text(engine) if body.return_text_in_logprobs else None
+    text_of = token_text(engine) if body.return_text_in_logprobs else None
     if body.stream:
         return sse_response(_chunks(engine, inputs, batched, body.return_text_in_logprobs))
     results = await collect(engine, request, inputs)
@@ -93,17 +100,13 @@ def _sampling(p: SGLangSamplingParams, top_logprobs: int) -> SamplingParams:
 async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool,
                   text_in_logprobs: bool) -> AsyncIterator[dict]:
     """A batch streams all its prompts at once, each chunk naming its prompt's index."""
-    text_of = _token_text(engine) if text_in_logprobs else None
+    text_of = token_text(engine) if text_in_logprobs else None
     if not batched:
         async for c, _ in stream_events(engine, inputs[0]):
             yield _answer(c, inputs[0], text_of)
         return
     async for index, c, _ in interleave(engine, inputs):
         yield {**_answer(c, inputs[index], text_of), "index": index}
-
-
-def _token_text(engine: Engine) -> Callable[[int], str]:
-    return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _answer(c: Collected, inp: GenerateInput, text_of: Callable[[int], str] | None) -> dict:

@@ -20,7 +20,7 @@ def test_a_stream_that_ends_on_a_broken_character_still_sends_it():
 
 def test_incremental_text_equals_the_full_decode(smollm2_path):
     from decode_worker.model.tokenizer import Tokenizer
-    from decode_worker.server.detokenize import IncrementalText
+    from decode_worker.server.generation import IncrementalText
 
     tok = Tokenizer.load(smollm2_path, ())
     ids = tok.encode("Hello 世界! 🚀 Ünïcödé,  two  spaces\nand code: def f(x): return x**2 <|im_end|> done")
