@@ -1,1 +1,1 @@
-"""`decode-worker bench`: a whole PD deployment per decode cache mode (README, "Decode cache benchmark")."""
+"""`decode-worker bench`: a PD deployment per decode cache mode (README)."""

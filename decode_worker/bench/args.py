@@ -1,4 +1,4 @@
-"""`decode-worker bench`'s flags: the CPU default, the linked and the reference's shapes, and what each flag means."""
+"""`decode-worker bench`'s flags and the scales they default from."""
 from __future__ import annotations
 
 import argparse
@@ -58,7 +58,7 @@ def parse_grid(text: str) -> tuple[int, int]:
 
 
 def _chat(text: str) -> str:
-    """`CLIENTSxROUNDS` or `none`, checked when the flags are parsed."""
+    """`CLIENTSxROUNDS` or `none`."""
     if text != "none":
         parse_grid(text)
     return text

@@ -1,4 +1,4 @@
-"""The hit rate an unbounded cache reaches on a trace, at page granularity, caching as the decode worker does."""
+"""The hit rate of an unbounded page cache on a trace."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 def page_keys(tokens: Sequence[int], page_size: int) -> Iterator[int]:
-    """One key per full page, chained so that a page's key names everything before it too."""
+    """One chained key per full page: it names every token before it too."""
     key = 0
     for start in range(0, len(tokens) - page_size + 1, page_size):
         key = hash((key, tuple(tokens[start : start + page_size])))
@@ -32,8 +32,7 @@ class UnboundedCache:
 
 def unbounded_hit_rate(requests: Iterable[tuple[Sequence[int], Sequence[int]]], page_size: int,
                        warm: Iterable[tuple[Sequence[int], Sequence[int]]] = ()) -> float:
-    """Cached prompt tokens / prompt tokens over ``requests`` ((prompt, output) in send order),
-    after caching ``warm`` (an earlier run a restarted pod finds in L3)."""
+    """Cached share of ``requests``' prompt tokens, after caching ``warm`` (a restarted pod's L3)."""
     cache = UnboundedCache(page_size)
     for prompt, output in warm:
         cache.insert(prompt, output)

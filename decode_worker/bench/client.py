@@ -1,5 +1,4 @@
-"""The load generator: streamed `POST /generate` calls to the router, timed at the client, where a user
-sees TTFT and inter-token latency."""
+"""The load generator: streamed `/generate` calls timed at the client."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +20,7 @@ class Target:
 
 
 def bearer(api_key: str) -> dict[str, str]:
-    """The header a deployment behind ``--api-key`` wants; none without a key."""
+    """The ``--api-key`` header; none without a key."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -43,8 +42,7 @@ def _body(prompt: list[int], output_len: int, text: str | None) -> dict:
 
 async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
                    t0: float, text: str | None = None) -> RequestResult:
-    """One streamed request, as ids or ``text``; chunks carry the output so far, errors come as a status or an
-    error chunk."""
+    """One streamed request (ids or ``text``); errors: a status or an error chunk."""
     start = time.perf_counter()
     res = RequestResult(prompt, start - t0)
     last = start
@@ -78,8 +76,7 @@ async def generate(http: httpx.AsyncClient, target: Target, prompt: list[int], o
 
 async def warm_up_request(http: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int,
                           deadline: float, text: str | None = None) -> None:
-    """One request that must succeed before a run, retried until ``deadline`` (monotonic): a fresh
-    router may answer 503 for a moment after its /health turns ready."""
+    """One request retried until success or ``deadline`` (a fresh router may answer 503)."""
     while (res := await generate(http, target, prompt, output_len, 0.0, text)).error is not None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"warm-up request failed: {res.error}")
@@ -94,8 +91,7 @@ def http_client(connections: int) -> httpx.AsyncClient:
 async def run_prompts(target: Target, prompts: list[list[int]], output_len: int, concurrency: int,
                       request_rate: float, seed: int, done: Callable[[], None],
                       texts: list[str] | None = None) -> list[RequestResult]:
-    """Open loop in list order: at most ``concurrency`` in flight, Poisson arrivals at ``request_rate``
-    per second (all at once when infinite); as ``texts`` when given."""
+    """Open loop: at most ``concurrency`` in flight, Poisson arrivals at ``request_rate`` per second."""
     rng = random.Random(f"arrivals-{seed}")
     gate = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
@@ -118,8 +114,7 @@ async def run_prompts(target: Target, prompts: list[list[int]], output_len: int,
 
 async def run_chat(target: Target, convs: list[Conversation], rounds: int, output_len: int,
                    done: Callable[[], None]) -> list[RequestResult]:
-    """Closed loop: each client sends its rounds in turn, clients side by side; a failed round ends its
-    conversation."""
+    """Closed loop: clients in parallel, rounds in turn; a failed round ends its chat."""
     t0 = time.perf_counter()
     results: list[RequestResult] = []
 

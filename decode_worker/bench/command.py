@@ -1,5 +1,4 @@
-"""`decode-worker bench`: a run's plan (flags in ``args.py``), its deployments and outputs. The CPU default,
-``--reference`` and ``--scale-out``: README, "Decode cache benchmark"."""
+"""`decode-worker bench`: a run's plan, deployments and outputs."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +39,7 @@ def _workloads(s: Scale, args: argparse.Namespace) -> list:
 
 
 def _longest_request(workloads: list, restart: bool) -> int:
-    """Prompt plus output tokens of the longest request any workload sends (the restart row doubles a chat)."""
+    """Prompt plus output tokens of the longest request (a restart doubles a chat)."""
     from decode_worker.bench.workload import SharedPrefixSpec
 
     def one(w) -> int:
@@ -53,14 +52,13 @@ def _longest_request(workloads: list, restart: bool) -> int:
 
 
 def _l1_tokens(s: Scale, args: argparse.Namespace) -> int:
-    """--l1-tokens, or ten prefixes plus each running request's own pages, in whole pages."""
+    """--l1-tokens, or ten prefixes plus each running request's pages, in whole pages."""
     tokens = s.l1_tokens or args.l1_prefixes * s.prefix_len + s.concurrency * (
         s.suffix_len + s.output_len + args.page_size)
     return -(-int(tokens) // args.page_size) * args.page_size
 
 
 def _model(args: argparse.Namespace):
-    """The model's path (the embedded one when unset) and its config."""
     from decode_worker.model.embedded import ensure_default_model
     from decode_worker.model.loader import read_config
 
@@ -75,8 +73,7 @@ def _check_context(longest: int, model) -> None:
 
 
 def _prefill_tokens(args: argparse.Namespace, s: Scale, workloads: list, l1: int) -> int:
-    """--prefill-l1-tokens, or room for every distinct prompt token of the largest workload plus each
-    running request (the reference's prefill holds its prefixes; --reference: the decode L1)."""
+    """--prefill-l1-tokens (--reference: ``l1``), else the largest workload's distinct tokens plus running requests."""
     if args.prefill_l1_tokens or args.reference:
         return args.prefill_l1_tokens or l1
     seen = max(w.reusable_tokens for w in workloads)
@@ -101,7 +98,7 @@ def _settings(args: argparse.Namespace, s: Scale, model, spec: DeploySpec, workl
 
 
 def _plan(args: argparse.Namespace) -> tuple[Plan, DeploySpec, dict]:
-    """The run's plan, deployment spec and the settings the JSON records; ConfigError for what cannot run."""
+    """The run's plan, deployment spec and recorded settings, or ConfigError."""
     from decode_worker.bench.modes import MODES, Mode, check_order
     from decode_worker.bench.runner import Plan
 
@@ -122,7 +119,7 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, DeploySpec, dict]:
 
 
 def _check_scale_out_args(args: argparse.Namespace) -> None:
-    """Flags of the cache-mode comparison that a scale-out run would otherwise ignore, refused by name."""
+    """Refuse by name the comparison's flags a scale-out run would ignore."""
     given = [flag for flag, value in (("--url", args.url), ("--decode-url", args.decode_url),
                                       ("--prefill-url", args.prefill_url), ("--modes", args.modes),
                                       ("--chat", args.chat)) if value is not None]
@@ -134,7 +131,7 @@ def _check_scale_out_args(args: argparse.Namespace) -> None:
 
 
 def _scale_plan(args: argparse.Namespace) -> tuple[ScalePlan, DeploySpec, dict]:
-    """The scale-out run's plan: the shared-prefix traces as text the router can route on."""
+    """Shared-prefix traces as text the router can route on."""
     from decode_worker.bench.scale_out import ROUTINGS, ScalePlan, Trace
     from decode_worker.bench.text_prompts import as_texts, load_tokenizer, round_trip_words
     from decode_worker.bench.workload import shared_prefix_trace
@@ -174,7 +171,7 @@ def _write(out_dir: Path, name: str, rows: list, line: str, md: str, title: str,
 
 
 def _progress_bar(total: int):
-    """A stderr progress bar and the ``progress(label)`` callback the runners take."""
+    """A stderr progress bar and its ``progress(label)`` callback."""
     from tqdm import tqdm
 
     bar = tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0)
@@ -187,7 +184,7 @@ def _progress_bar(total: int):
 
 
 def _run_with_bar(total: int, runs: Callable[[Callable], list]) -> tuple[list | None, float]:
-    """``runs(progress)`` under a progress bar: its rows and wall seconds, or None once its error is printed."""
+    """``runs(progress)`` under a progress bar: rows and wall seconds, or None (error printed)."""
     bar, progress = _progress_bar(total)
     start = time.monotonic()
     try:
@@ -258,7 +255,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_linked(args: argparse.Namespace) -> int:
-    """Every mode once per link (``linked.py``); local only, said in one line, where no namespace can be made."""
+    """Every mode per link; only ``local`` where no namespace can be made."""
     from decode_worker.bench.link import LOCAL, Link, namespace_problem
     from decode_worker.bench.link_report import link_table
     from decode_worker.bench.linked import run_links

@@ -1,5 +1,4 @@
-"""A PD deployment per mode, as `decode-worker up` starts one, with the mode's decode cache flags and free
-ports."""
+"""A PD deployment per mode, as `decode-worker up` starts one."""
 from __future__ import annotations
 
 import os
@@ -49,7 +48,7 @@ def worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[s
 
 @contextmanager
 def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
-    """Start router, prefill and decode for ``mode``; stop them all on exit. Logs go to a folder per mode."""
+    """Router, prefill and decode for ``mode``, stopped on exit."""
     log_dir = spec.log_dir / mode.name
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DECODE_WORKER_PD_TOKEN=secrets.token_hex(16), DECODE_WORKER_API_KEY=spec.api_key)

@@ -1,5 +1,4 @@
-"""The scale-out deployment: one prefill, several decode workers and optionally Redis as their shared L3,
-started once for all rows; a router per row."""
+"""The scale-out fleet: a prefill, several decodes, optional Redis L3."""
 from __future__ import annotations
 
 import os
@@ -38,7 +37,7 @@ class Fleet:
 
 
 def redis_flush(host: str, port: int) -> None:
-    """Empty the shared L3 between rows (FLUSHALL, in the protocol's inline form)."""
+    """Empty the shared L3 between rows (an inline FLUSHALL)."""
     with socket.create_connection((host, port), timeout=30) as s:
         s.sendall(b"FLUSHALL\r\n")
         if not s.recv(64).startswith(b"+OK"):
@@ -46,7 +45,7 @@ def redis_flush(host: str, port: int) -> None:
 
 
 def _decode_flags(spec: DeploySpec, redis: tuple[str, int] | None) -> list[str]:
-    """The product's decode cache (radix + L2), plus Redis as L3 when the fleet has it."""
+    """Radix + L2, plus Redis L3 when the fleet has it."""
     flags = MODES["hier"].decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy)
     if redis is None:
         return flags
@@ -56,7 +55,7 @@ def _decode_flags(spec: DeploySpec, redis: tuple[str, int] | None) -> list[str]:
 
 @contextmanager
 def fleet(spec: DeploySpec, pods: int, shared_l3: bool, name: str) -> Iterator[Fleet]:
-    """Prefill, ``pods`` decode workers and, with ``shared_l3``, a redis-server; all stopped on exit."""
+    """Prefill, ``pods`` decodes and, with ``shared_l3``, redis-server; stopped on exit."""
     log_dir = spec.log_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DECODE_WORKER_PD_TOKEN=secrets.token_hex(16), DECODE_WORKER_API_KEY=spec.api_key)
@@ -81,7 +80,7 @@ def fleet(spec: DeploySpec, pods: int, shared_l3: bool, name: str) -> Iterator[F
 
 @contextmanager
 def routed(fl: Fleet, pods: int, decode_policy: str, name: str) -> Iterator[FleetEndpoints]:
-    """A router over the fleet's first ``pods`` decode workers; stopped on exit, the workers left running."""
+    """A router over the first ``pods`` decodes; the workers outlive it."""
     router_port = free_port()
     dep = Deployment(fl.deployment.log_dir)
     try:

@@ -1,5 +1,4 @@
-"""A rate-limited link on one host: an unprivileged user + network namespace whose loopback has a token bucket,
-the KV over UCX's TCP transport so every byte crosses it."""
+"""A rate-limited link on one host: a namespace with a shaped loopback (README)."""
 from __future__ import annotations
 
 import re
@@ -34,8 +33,7 @@ class Link:
         return self.bits_per_s / 1e9 if self.bits_per_s is not None else None
 
     def tbf(self) -> list[str]:
-        """The qdisc's arguments: a 4 ms bucket at the rate (at least two 64 KB loopback packets) and a 200 ms
-        queue, which TCP's window keeps far from full."""
+        """The qdisc's arguments (sizing: docs/ttft-model.md, "How the bench measures")."""
         burst = max(128 << 10, int(self.bits_per_s / 8 * 0.004))
         return ["rate", f"{self.bits_per_s:.0f}bit", "burst", str(burst), "latency", "200ms"]
 
@@ -57,7 +55,7 @@ def parse_links(text: str) -> list[Link]:
 
 
 def namespace_problem() -> str | None:
-    """None when this machine can make a shaped private loopback; else why not, in one line."""
+    """None when a shaped private loopback can be made; else why not."""
     for tool, package in (("unshare", "util-linux"), ("ip", "iproute2"), ("tc", "iproute2")):
         if shutil.which(tool) is None:
             return f"`{tool}` is missing (Debian package {package}; `make system-deps` installs it)"
@@ -78,13 +76,12 @@ def shape_commands(link: Link) -> list[list[str]]:
 
 
 def shape_loopback(link: Link) -> None:
-    """Inside the namespace: loopback up, and its token bucket."""
     for cmd in shape_commands(link):
         subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
 def tcp_gbit(nbytes: int = TCP_PROBE_BYTES) -> float:
-    """A plain TCP stream's rate over loopback, in Gbit/s: the bucket itself, apart from UCX."""
+    """A plain TCP stream's Gbit/s over loopback, without UCX."""
     server = socket.create_server(("127.0.0.1", 0))
     received = 0
 
@@ -111,7 +108,7 @@ def tcp_gbit(nbytes: int = TCP_PROBE_BYTES) -> float:
 
 
 def check_rate(link: Link, achieved_gbit: float | None, what: str) -> None:
-    """RuntimeError when a shaped link's achieved rate is off its configured one by more than ``TOLERANCE``."""
+    """RuntimeError when the achieved rate is off by more than ``TOLERANCE``."""
     if not link.shaped or achieved_gbit is None:
         return
     off = achieved_gbit / link.gbit - 1

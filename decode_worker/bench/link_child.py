@@ -1,5 +1,4 @@
-"""The child of a shaped ``bench --link`` run, inside its namespace (``python -m
-decode_worker.bench.link_child REQUEST.json``); a module apart so that imports run one way."""
+"""A shaped ``bench --link`` run's child; a module apart so imports run one way."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +13,6 @@ from decode_worker.bench.runner import run
 
 
 def _child(request_path: str) -> int:
-    """Inside the namespace: shape, check the bucket, run every mode, write the rows."""
     request = json.loads(Path(request_path).read_text())
     link = Link(**request["link"])
     shape_loopback(link)

@@ -1,5 +1,4 @@
-"""The tables of a `bench --link` run: rows per workload, link and mode, TTFT's parts, hier's saving per
-link beside the reference's, and the TTFT model's check."""
+"""The tables of a `bench --link` run, with the TTFT model's check."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -102,14 +101,14 @@ OWN_SHARE_NOTE = ("The decode worker's own share (mean) is its TTFT less prefill
 
 
 def _in_order(rows: Sequence[Row]) -> list[Row]:
-    """Grouped by workload, then link, then mode, each in the order the run first met it."""
+    """By workload, link, then mode, each in first-met order."""
     order = [{v: i for i, v in enumerate(dict.fromkeys(getattr(r, k) for r in rows))}
              for k in ("workload", "link", "mode")]
     return sorted(rows, key=lambda r: tuple(o[getattr(r, k)] for o, k in zip(order, ("workload", "link", "mode"))))
 
 
 def link_table(rows: Sequence[Row], settings: dict) -> tuple[str, dict]:
-    """The Markdown and what the JSON adds to its settings (the savings and the TTFT model)."""
+    """The Markdown, and the JSON's extra settings (savings, TTFT model)."""
     rows = _in_order(rows)
     found = savings(rows)
     model = fit_and_check(rows, settings)

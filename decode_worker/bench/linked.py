@@ -1,5 +1,4 @@
-"""`decode-worker bench --link`: every mode once per link, a shaped one in a child process inside its own
-namespace (``link_child.py``)."""
+"""`bench --link`: every mode per link; a shaped link runs in a namespaced child."""
 from __future__ import annotations
 
 import argparse
@@ -24,14 +23,13 @@ def with_link(rows: list[Row], link: Link, tcp: float | None) -> list[Row]:
 
 
 def _args_json(args: argparse.Namespace, log_dir: Path) -> dict:
-    """The flags as JSON for the child: its links as text, its own log folder, no parser callbacks."""
+    """The flags as JSON for the child."""
     out = {k: v for k, v in vars(args).items() if not callable(v)}
     return out | {"link": ",".join(link.name for link in args.link), "log_dir": str(log_dir)}
 
 
 def run_links(args: argparse.Namespace, links: list[Link], plan: Plan, spec: DeploySpec,
               progress: Callable[[str], Callable[[], None]]) -> list[Row]:
-    """Rows of every link in order; ``args`` travel to each shaped link's child as JSON."""
     rows: list[Row] = []
     for link in links:
         link_spec = dataclasses.replace(spec, log_dir=spec.log_dir / link.name)

@@ -1,4 +1,4 @@
-"""What the run ran on, recorded with its figures: results from different machines or loads do not compare."""
+"""What the run ran on: only figures from like machines and loads compare."""
 from __future__ import annotations
 
 import os

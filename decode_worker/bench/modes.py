@@ -1,4 +1,4 @@
-"""The decode cache modes compared, as decode worker flags; prefill is the same in every mode."""
+"""The decode cache modes compared, as decode flags."""
 from __future__ import annotations
 
 from dataclasses import dataclass

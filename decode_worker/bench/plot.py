@@ -1,4 +1,4 @@
-"""The PNG: per workload, hit rate per tier beside the unbounded ceiling, and TTFT per mode."""
+"""The PNG: hit rates per tier against the ceiling, TTFT per mode."""
 from __future__ import annotations
 
 import textwrap
@@ -11,7 +11,7 @@ TIER_COLOURS = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
 
 
 def plot(rows: Sequence[Row], path: Path, title: str, column: Callable[[Row], str] = lambda r: r.workload) -> None:
-    """One column of panels per ``column(row)``: a workload, or (scale-out) a pod count; a bar per mode."""
+    """A panel column per ``column(row)`` (workload or pod count), a bar per mode."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server
@@ -44,8 +44,7 @@ def plot(rows: Sequence[Row], path: Path, title: str, column: Callable[[Row], st
 
 
 def plot_savings(rows: Sequence[Row], path: Path, title: str) -> None:
-    """`bench --link`: hier's TTFT p50 saving against radix and off per workload, over the links in rate
-    order."""
+    """`bench --link`: hier's TTFT p50 saving per link rate."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""Prometheus text scraped from a worker's /metrics, and the difference of two scrapes: a run's own counts."""
+"""Prometheus /metrics scrapes, and their differences: a run's own counts."""
 from __future__ import annotations
 
 import re
@@ -27,7 +27,7 @@ class Scrape:
         return cls(samples)
 
     def get(self, name: str, **labels: str) -> float:
-        """Sum of the series of ``name`` whose labels include ``labels``; 0 when there is none."""
+        """Sum of ``name``'s series whose labels include ``labels``; 0 when none."""
         wanted = set(labels.items())
         return sum(v for (n, ls), v in self.samples.items() if n == name and wanted <= ls)
 
@@ -37,8 +37,7 @@ class Scrape:
         return self.get(histogram + "_sum") / count if count else None
 
     def quantile(self, histogram: str, q: float) -> float | None:
-        """The ``q`` quantile of a histogram's observations as ``histogram_quantile`` estimates it; None
-        without observations."""
+        """The ``q`` quantile, as ``histogram_quantile`` estimates it; None without observations."""
         cumulative: dict[float, float] = {}
         for (name, labels), value in self.samples.items():
             if name == histogram + "_bucket":
@@ -60,7 +59,7 @@ class Scrape:
         return Scrape({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
 
     def __add__(self, other: Scrape) -> Scrape:
-        """Series summed over two workers: the figures of a fleet of decode pods as one."""
+        """Series summed over two workers (a fleet as one)."""
         keys = self.samples.keys() | other.samples.keys()
         return Scrape({k: self.samples.get(k, 0.0) + other.samples.get(k, 0.0) for k in keys})
 

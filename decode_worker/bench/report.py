@@ -1,4 +1,4 @@
-"""The run's outputs: one JSON line with every figure, and Markdown tables of what a reader compares."""
+"""The run's outputs: a JSON line of every figure, Markdown tables."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,7 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def own_share(row: Row) -> str:
-    """The decode worker's own share of TTFT per request, p50 / p99 seconds (``timings._decode_own``)."""
+    """Decode's own share of TTFT, p50 / p99 seconds."""
     own = row.workers.decode_own_s or {}
     return f"{fmt(own.get('p50'), 1.0, 3)} / {fmt(own.get('p99'), 1.0, 3)}"
 

@@ -1,7 +1,4 @@
-"""One benchmark run: per mode a deployment, warmed up, then each workload on emptied caches (L3 kept: the
-traces share no tokens) between scrapes of both workers' metrics; the restart row replays over the L3 the
-storage row left.
-"""
+"""One run: per mode a deployment, each workload on emptied caches between scrapes."""
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +56,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Row:
-    """One workload under one mode: the table's row and the JSON's entry."""
+    """One workload under one mode: a table row, a JSON entry."""
 
     workload: str
     mode: str
@@ -78,14 +75,13 @@ class Row:
 
     @classmethod
     def from_dict(cls, d: dict) -> Row:
-        """The inverse of ``to_dict``: rows a linked run's child process wrote."""
         return cls(**{**d, "client": ClientStats(**d["client"]), "workers": WorkerStats(**d["workers"]),
                       "load_average": tuple(d["load_average"])})
 
 
 @dataclass
 class History:
-    """What a storage row served, per workload: the restart row continues from it."""
+    """What a storage row served, for the restart row to continue."""
 
     requests: dict[str, list[RequestResult]] = field(default_factory=dict)
     chats: dict[str, list[Conversation]] = field(default_factory=dict)
@@ -96,7 +92,7 @@ async def _scrape(http: httpx.AsyncClient, url: str | None) -> Scrape | None:
 
 
 async def _flush(http: httpx.AsyncClient, ep: Endpoints, headers: dict[str, str]) -> None:
-    """Both workers' caches emptied; RuntimeError when a worker kept anything (a row would start warm)."""
+    """Empty both workers' caches; RuntimeError if one stays warm."""
     for url in (ep.decode, ep.prefill):
         if url:
             resp = await http.post(url + "/flush_cache", headers=headers, timeout=60)
@@ -106,7 +102,7 @@ async def _flush(http: httpx.AsyncClient, ep: Endpoints, headers: dict[str, str]
 
 
 async def _kv_probe(plan: Plan, target: Target, ep: Endpoints, prompt_len: int) -> float | None:
-    """One request alone, on a prompt no cache holds: its KV bytes over its transfer time, in Gbit/s."""
+    """One lone request's KV rate in Gbit/s, on an uncached prompt."""
     if ep.decode is None:
         return None
     rng = random.Random(f"probe-{plan.seed}")
@@ -120,7 +116,7 @@ async def _kv_probe(plan: Plan, target: Target, ep: Endpoints, prompt_len: int) 
 
 
 async def _warm_up(plan: Plan, target: Target, prompt_len: int) -> None:
-    """Keep a fresh worker's one-off costs (allocator, kernels) out of the figures."""
+    """Keep one-off costs (allocator, kernels) out of the figures."""
     rng = random.Random(f"warmup-{plan.seed}")
     deadline = time.monotonic() + 120
     async with http_client(WARMUP_REQUESTS) as http:
@@ -144,7 +140,7 @@ async def _replay(plan: Plan, workload: Workload, mode: Mode, target: Target, hi
 
 async def bench_mode(plan: Plan, mode: Mode, ep: Endpoints, history: History, flush: bool,
                      progress: Callable[[str], Callable[[], None]]) -> list[Row]:
-    """Every workload on one deployment. ``progress(label)`` gives the callback counting finished requests."""
+    """Every workload on one deployment."""
     target = Target(ep.router, plan.headers)
     longest = max(w.prefix_len + w.suffix_len if isinstance(w, SharedPrefixSpec) else w.first_len
                   for w in plan.workloads)
@@ -175,7 +171,7 @@ async def bench_mode(plan: Plan, mode: Mode, ep: Endpoints, history: History, fl
 
 def run(plan: Plan, spec: DeploySpec | None, given: Endpoints | None,
         progress: Callable[[str], Callable[[], None]]) -> list[Row]:
-    """Each mode on its own deployment from ``spec``, or on the one ``given`` (its caches left as they are)."""
+    """Each mode on its own deployment from ``spec``, or on ``given`` with its caches as they are."""
     history, rows = History(), []
     for mode in plan.modes:
         if given is not None:

@@ -1,5 +1,4 @@
-"""The scale-out benchmark: the shared-prefix trace through 1, 2, 4... decode pods per routing, with and
-without a shared L3 (docs/scale-out.md)."""
+"""Scale-out benchmark: shared-prefix traces through 1, 2, 4... decode pods (docs/scale-out.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +37,7 @@ ROUTINGS = {r.name: r for r in (
 
 @dataclass(frozen=True)
 class Trace:
-    """One workload's prompts, as ids (for the ceiling) and as the text that is sent."""
+    """A workload's prompts as ids (for the ceiling) and text (sent)."""
 
     spec: SharedPrefixSpec
     ids: list[list[int]]
@@ -91,7 +90,7 @@ async def _flush(http: httpx.AsyncClient, ep: FleetEndpoints, headers: dict[str,
 
 
 async def _warm_up(plan: ScalePlan, ep: FleetEndpoints) -> None:
-    """Two requests per pod of random words (a fresh router may answer 503 for a moment: retried)."""
+    """Two requests per pod, retried while a fresh router answers 503."""
     rng = random.Random(f"warmup-{plan.seed}")
     target, deadline = Target(ep.router, plan.headers), time.monotonic() + 120
     length = max(len(t.ids[0]) for t in plan.traces)
@@ -131,8 +130,7 @@ async def bench_row(plan: ScalePlan, routing: Routing, ep: FleetEndpoints,
 
 
 def run_scale_out(plan: ScalePlan, spec: DeploySpec, progress: Callable[[str], Callable[[], None]]) -> list[ScaleRow]:
-    """One fleet per L3 setting, sized for the most pods, and a router per (pods, routing); rows ordered
-    by pods, routing, trace."""
+    """A fleet per L3 setting, sized for the most pods; a router per (pods, routing)."""
     rows: list[ScaleRow] = []
     for shared in (False, True):
         routings = [r for r in plan.routings if r.shared_l3 == shared]

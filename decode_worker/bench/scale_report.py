@@ -1,4 +1,4 @@
-"""The scale-out table: a row per trace, decode pod count and routing."""
+"""The scale-out table: a row per trace, pod count and routing."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,4 @@
-"""Client-side figures of one run: latency distributions and throughput over the requests that succeeded."""
+"""Client-side latency distributions and throughput over successful requests."""
 from __future__ import annotations
 
 import math
@@ -11,14 +11,14 @@ QUANTILES = (50, 90, 99)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), on an already sorted list."""
+    """Closest-ranks linear interpolation (numpy's default) on a sorted list."""
     pos = (len(sorted_values) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
-    """p50/p90/p99 and mean in seconds; None for each when there is no value."""
+    """p50/p90/p99 and mean in seconds; each None without values."""
     ordered = sorted(values)
     out: dict[str, float | None] = {f"p{q}": percentile(ordered, q) if ordered else None for q in QUANTILES}
     out["mean"] = sum(ordered) / len(ordered) if ordered else None

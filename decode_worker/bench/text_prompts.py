@@ -1,5 +1,4 @@
-"""Trace prompts as text whose tokens are known exactly (cache-aware routing matches on text): words that
-tokenize back to themselves; a prompt that does not round-trip stops the run."""
+"""Trace prompts as text of known tokens: cache-aware routing matches on text."""
 from __future__ import annotations
 
 import re
@@ -20,7 +19,7 @@ def load_tokenizer(model_path: str):
 
 
 def round_trip_words(tokenizer) -> list[int]:
-    """Ids whose text encodes back to exactly that id, preferring whole words with a leading space."""
+    """Ids whose text encodes back to them, preferring whole words with a leading space."""
     texts = tokenizer.backend.batch_decode([[t] for t in range(tokenizer.vocab_size)], skip_special_tokens=False)
 
     def keep(pattern: re.Pattern) -> list[int]:

@@ -1,7 +1,4 @@
-"""What the workers' own metrics say about one run: per-tier hit rates, KV received and TTFT's parts (means).
-The router starts both workers' TTFT clocks together, so decode's TTFT holds prefill's; decode's own queue time
-runs alongside prefill's and is shown apart, not subtracted.
-"""
+"""Hit rates per tier, KV received and TTFT's parts from the workers' metrics (docs/ttft-model.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +35,7 @@ class WorkerStats:
 
     @classmethod
     def of(cls, client_ttft_mean: float | None, decode: Scrape | None, prefill: Scrape | None) -> WorkerStats:
-        """``decode`` and ``prefill``: scrapes after less before the run, None where a worker's URL is
-        unknown."""
+        """Each worker's scrapes after less before; None without its URL."""
         return cls(
             hit_rate=_hit_rates(decode) if decode else None,
             prefill_hit_rate=_ratio(prefill.get(P + "cached_tokens_total"), prefill.get(P + "prompt_tokens_total"))
@@ -53,8 +49,7 @@ class WorkerStats:
 
 
 def _decode_own(decode: Scrape) -> dict[str, float | None]:
-    """The decode worker's own share of each PD request's TTFT (answer in, first token out, less the
-    read), as per-request quantiles of its histogram."""
+    """Quantiles of decode's own share of PD TTFT (answer in to first token out, less the read)."""
     name = P + "decode_own_seconds"
     return {"p50": decode.quantile(name, 0.5), "p99": decode.quantile(name, 0.99), "mean": decode.mean(name)}
 
@@ -77,8 +72,7 @@ def _minus(a: float | None, *parts: float | None) -> float | None:
 
 
 def ttft_parts(client: float | None, decode: Scrape | None, prefill: Scrape | None) -> dict[str, float | None]:
-    """Mean seconds per part, None where a worker's metrics are missing; signed, since each mean is over that
-    worker's own requests."""
+    """Mean seconds per part, None without a worker's metrics; signed (docs/ttft-model.md)."""
     decode_ttft = decode.mean(P + "ttft_seconds") if decode else None
     transfer = decode.mean(P + "kv_transfer_seconds") if decode else None
     prefill_ttft = prefill.mean(P + "ttft_seconds") if prefill else None

@@ -1,5 +1,4 @@
-"""The TTFT model of docs/ttft-model.md: fitted on a `bench --link` run's rows, checked per row within
-``TOLERANCE``, applied to the reference."""
+"""docs/ttft-model.md's TTFT model: fitted on a `bench --link` run, applied to the reference."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -68,7 +67,7 @@ def _usable(r) -> bool:
 
 
 def fit_and_check(rows: Sequence, settings: dict) -> Fit | None:
-    """The fit over ``rows`` (a `bench --link` run), or None with fewer usable rows than parameters."""
+    """The fit over a `bench --link` run's ``rows``; None with too few usable rows."""
     rows = [r for r in rows if _usable(r)]
     if len(rows) < 4:
         return None
@@ -89,8 +88,7 @@ def fit_and_check(rows: Sequence, settings: dict) -> Fit | None:
 
 
 def _reference(fit: Fit, rows: Sequence) -> list[dict]:
-    """The reference's TTFT per mode at each link rate, from this run's hit rates on its slowest shaped link
-    (where decode's cache matters most)."""
+    """The reference's TTFT per mode and link rate, with hit rates from this run's slowest shaped link."""
     out = []
     ref = REFERENCE
     for workload in dict.fromkeys(r.workload for r in rows):

@@ -1,5 +1,4 @@
-"""The traces the benchmark replays, as token ids (exact lengths, no tokenizer): generated shared prefix and
-multi-turn chat."""
+"""The replayed traces as token ids: shared prefix and multi-turn chat."""
 from __future__ import annotations
 
 import random
@@ -33,14 +32,14 @@ class Prompt:
 
 
 def _tokens(rng: random.Random, n: int, vocab: int | Sequence[int]) -> list[int]:
-    """``n`` ids drawn from ``range(vocab)``, or from the given ids (the same draws either way for a range)."""
+    """``n`` ids from ``range(vocab)`` or the given ids (the same draws for a range)."""
     pool = range(vocab) if isinstance(vocab, int) else vocab
     return [rng.choice(pool) for _ in range(n)]
 
 
 def shared_prefix_trace(spec: SharedPrefixSpec, vocab: int | Sequence[int], round_: int = 0) -> list[Prompt]:
-    """The prompts in send order over ``vocab`` (a size or the ids to draw from); prefixes and
-    order depend on seed and shape, suffixes also on the round."""
+    """Prompts in send order over ``vocab`` (size or ids); seed and shape fix prefixes and order, suffixes vary by
+    round."""
     rng = random.Random(f"prefix-{spec.seed}-{spec.name}")
     prefixes = [_tokens(rng, spec.prefix_len, vocab) for _ in range(spec.groups)]
     order = [g for _ in range(spec.prompts_per_group) for g in range(spec.groups)]
@@ -64,7 +63,7 @@ class ChatSpec:
 
     @property
     def reusable_tokens(self) -> int:
-        """Prompt tokens a later round can reuse: every conversation's history up to its last round."""
+        """Prompt tokens a later round can reuse: each chat's history before its last round."""
         return self.clients * (self.first_len + (self.rounds - 1) * (self.turn_len + self.output_len))
 
 
