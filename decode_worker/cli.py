@@ -28,8 +28,7 @@ def _missing_model(path: str) -> str:
 
 
 def check_model_path(path: str | None) -> None:
-    """Refuse a model the loader could not open before anything starts (the server loads in the background,
-    where a bad path shows only as /health 503). None is the embedded model."""
+    """Refuse an unopenable model before starting (in the background it shows only as /health 503); None: embedded."""
     if path is None:
         return
     target = Path(path).expanduser()

@@ -1,6 +1,4 @@
-"""Server configuration: one pydantic-settings model; every field is a `decode-worker serve` flag, else
-`DECODE_WORKER_<FIELD>`. A wrongly typed value is a `ConfigError` naming its flag or variable.
-"""
+"""Server configuration: one pydantic-settings model, each field a `serve` flag or `DECODE_WORKER_<FIELD>`."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +34,7 @@ def _opt(help: str, default: Any = None) -> Any:
 
 
 class ServerConfig(BaseSettings):
-    """What a worker runs with: from flags over the environment, or in code."""
+    """What a worker runs with: flags over the environment, or set in code."""
 
     # An empty variable counts as unset: compose's `${VAR:-}` yields one.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True)
@@ -117,7 +115,7 @@ class ServerConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _resolve_dtype(self) -> ServerConfig:
-        """Resolve ``auto`` and keep the reason for the start-up line (logging is not set up yet here)."""
+        """Resolve ``auto``, keeping the reason for the start-up line (logging is not set up yet)."""
         if self.dtype != "auto":
             return self
         import torch  # only here: the config module stays light for `--help`
@@ -179,7 +177,7 @@ class ServerConfig(BaseSettings):
 
     @property
     def radix_cache(self) -> bool:
-        """Colocated and prefill roles always reuse prefixes; decode only when asked."""
+        """Colocated and prefill always reuse prefixes; decode when asked."""
         return self.role != "decode" or self.disaggregation_decode_enable_radix_cache
 
 
@@ -191,8 +189,7 @@ _KV_EVENTS_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
-    """Publisher arguments from ``--kv-events-config``, or None when off; unknown keys and wrong types are
-    refused by name."""
+    """Publisher arguments from ``--kv-events-config``, None when off; unknown keys and wrong types refused by name."""
     if raw is None:
         return None
     try:
@@ -216,12 +213,11 @@ def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
 
 
 def mask_url(url: str) -> str:
-    """The URL with its credentials starred out."""
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def package_version() -> str:
-    """The installed distribution's version (pyproject.toml is its one source)."""
+    """The installed version; pyproject.toml is its one source."""
     return version("decode-worker")
 
 
@@ -240,7 +236,7 @@ def _enum_type(name: str) -> type[Enum] | None:
 
 
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
-    """Flags and env take an enum's values (decode), not the member names pydantic-settings shows."""
+    """Flags and env take an enum's values (``decode``), not its member names."""
     kind = _enum_type(kwargs.get("dest", ""))
     if kind is not None:
         kwargs["metavar"] = "{" + ",".join(m.value for m in kind) + "}"
@@ -250,14 +246,14 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Every ServerConfig field as a flag, ``--help`` showing its default and variable."""
+    """Every ServerConfig field as a flag; ``--help`` shows its default and variable."""
     source = CliSettingsSource(ServerConfig, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True,
                                cli_show_env_vars=True, cli_hide_none_type=True, add_argument_method=_add_argument)
     parser.set_defaults(config_source=source)
 
 
 def _describe(error: ErrorDetails, given: set[str]) -> str:
-    """One line for a bad value, naming its flag or environment variable."""
+    """A bad value's one-line error, naming its flag or variable."""
     name = str(error["loc"][0])
     where = _flag(name) if name in given else _env_var(name)
     value = error.get("input")
@@ -277,7 +273,7 @@ def _build(given: set[str], **kwargs: Any) -> ServerConfig:
 
 
 def config_from_env() -> ServerConfig:
-    """The environment's settings alone, type-checked (combinations are left to the flags)."""
+    """The environment's settings alone, type-checked; combinations are the flags' to check."""
     return _build(set())
 
 

@@ -1,6 +1,4 @@
-"""`decode-worker up`: a local PD deployment on loopback (sglang-router, prefill, decode workers, and a
-redis-server as shared L3 for several decode workers).
-"""
+"""`decode-worker up`: a local PD deployment on loopback (router, prefill, decodes, Redis as shared L3)."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +33,7 @@ class Stopping(Exception):  # noqa: N818 - a request to stop, not an error
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A child's pre-exec step: the kernel kills it when ``up`` dies, even by SIGKILL."""
+    """Pre-exec: the kernel kills the child when ``up`` dies, even by SIGKILL."""
     def arm() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
@@ -46,8 +44,7 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
 @dataclass
 class Deployment:
-    """Child processes stopped together however ``up`` stops; each in its own session, so Ctrl-C reaches only
-    ``up``, which stops them in order."""
+    """Children stopped together however ``up`` stops; each in its own session, so Ctrl-C reaches only ``up``."""
 
     log_dir: Path
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -58,7 +55,7 @@ class Deployment:
                                                   start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))))
 
     def wait_ready(self, name: str, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
-        """Poll ``ready`` until it says yes, the child dies, or the deadline passes."""
+        """Poll ``ready`` until yes, the child dies, or the deadline passes."""
         proc = dict(self.procs)[name]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -73,7 +70,7 @@ class Deployment:
         self.wait_ready(name, lambda: http_ok(url), url, timeout_s)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM each child's process group, SIGKILL after ``grace_s`` or a second signal; returns when all exited."""
+        """SIGTERM each child's group, SIGKILL after ``grace_s`` or a second signal; returns once all exited."""
         def kill_now(signum: int, _: object) -> None:
             print(f"{signal.Signals(signum).name} again: killing what is left", file=sys.stderr, flush=True)
             self._signal_all(signal.SIGKILL)
@@ -118,7 +115,7 @@ def http_ok(url: str) -> bool:
 
 
 def redis_ok(host: str, port: int) -> bool:
-    """A Redis PING answered (inline protocol, no client library)."""
+    """A Redis PING answered (inline protocol, no client)."""
     try:
         with socket.create_connection((host, port), timeout=2) as s:
             s.sendall(b"PING\r\n")
@@ -173,7 +170,7 @@ def decode_ports(args: argparse.Namespace) -> list[int]:
 
 
 def shared_l3(args: argparse.Namespace) -> bool:
-    """An explicit --redis-url, or the default for two or more decode workers."""
+    """An explicit --redis-url, or two or more decode workers."""
     return not args.no_shared_l3 and (args.redis_url is not None or args.decode_replicas > 1)
 
 
@@ -204,7 +201,6 @@ def router_auth(api_key: str) -> list[str]:
 
 
 def host_port(host: str, port: int) -> str:
-    """``host:port``, an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -216,8 +212,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequence[int], metrics_port: int,
                    api_key: str = "", decode_policy: str | None = None) -> list[str]:
-    """sglang-router in PD mode; ``metrics_port`` explicit (its default makes a second router panic),
-    ``decode_policy`` None for the router's own."""
+    """sglang-router in PD mode; ``metrics_port`` explicit (its default panics a second router); ``decode_policy``
+    None: the router's."""
     decodes = [arg for p in decode_ports for arg in ("--decode", f"http://{host}:{p}")]
     policy = ["--decode-policy", decode_policy] if decode_policy else []
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -232,7 +228,7 @@ def storage_env(redis_url: str) -> dict[str, str]:
 
 
 def _start_redis(dep: Deployment, args: argparse.Namespace, env: dict[str, str]) -> str:
-    """The given shared L3 URL, or a redis-server's started here."""
+    """The given shared L3 URL, or a redis-server started here."""
     if args.redis_url is not None:
         return args.redis_url
     port = free_port(args.host)

@@ -1,6 +1,4 @@
-"""Prometheus metrics (prefix ``decode_worker_``): request figures counted as they happen, cache and queue
-figures read from their owners at scrape time (they cannot drift).
-"""
+"""Prometheus metrics: requests counted as they happen, cache and queue read from their owners at scrape time."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,7 +19,6 @@ _OWN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 
 
 def cache_families(stats: CacheStats) -> dict:
-    """The cache's live metric families, read from its stats."""
     storage, tokens = stats.storage, stats.tokens
     backed_up = {"host": tokens.backed_up}
     if storage is not None:
@@ -37,7 +34,7 @@ def cache_families(stats: CacheStats) -> dict:
 
 
 class _LiveCollector:
-    """Reads the cache's and the scheduler's snapshots at scrape time."""
+    """Reads the cache's and scheduler's snapshots at scrape time."""
 
     def __init__(self, cache_stats: Callable[[], dict], queue_stats: Callable[[], dict]):
         self.cache_stats = cache_stats
@@ -118,7 +115,7 @@ class Metrics:
         self.registry.register(_LiveCollector(cache_stats, queue_stats))
 
     def collect(self):
-        """Every family with a ``model_name`` label on each series, as vLLM and SGLang export them."""
+        """Every family, each series labelled ``model_name`` as vLLM and SGLang do."""
         for family in self.registry.collect():
             family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
             yield family
