@@ -62,7 +62,7 @@ def namespace_problem() -> str | None:
     probe = Link("probe", 1e9)
     try:
         done = subprocess.run([*UNSHARE, "sh", "-c", " && ".join(" ".join(c) for c in shape_commands(probe))],
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"cannot start `unshare`: {e}"
     if done.returncode != 0:
