@@ -14,14 +14,6 @@ from decode_worker.server import routes_openai, routes_ops, routes_sglang
 from decode_worker.server.errors import install_error_handlers
 from decode_worker.server.guard import RequestGuard
 from decode_worker.server.openapi import declare_models
-from decode_worker.server.responses import STREAM_CHUNKS
-from decode_worker.server.schemas import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    HandshakeRequest,
-)
 
 log = logging.getLogger("decode_worker")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -42,8 +34,7 @@ def create_app(engine: Engine) -> FastAPI:
         from decode_worker.server import routes_pd  # loads UCX: prefill role only
 
         app.include_router(routes_pd.router)
-    declare_models(app, [GenerateRequest, CompletionRequest, ChatCompletionRequest, HandshakeRequest, AbortRequest,
-                         *STREAM_CHUNKS])
+    declare_models(app)
     return app
 
 

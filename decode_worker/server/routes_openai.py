@@ -13,7 +13,6 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput, PromptLogprobs, RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
-from decode_worker.server.examples import CHAT_EXAMPLES, COMPLETION_EXAMPLES
 from decode_worker.server.generation import Collected, admit, collect, interleave, sse_response, token_text
 from decode_worker.server.inputs import (
     EngineDep,
@@ -24,11 +23,12 @@ from decode_worker.server.inputs import (
     parse_body,
     stop_list,
 )
-from decode_worker.server.openapi import json_body
-from decode_worker.server.responses import (
-    ChatCompletionChunk,
+from decode_worker.server.openapi import (
+    CHAT_EXAMPLES,
+    COMPLETION_EXAMPLES,
+    ChatCompletionEvent,
     ChatCompletionResponse,
-    CompletionChunk,
+    CompletionEvent,
     CompletionResponse,
     ErrorResponse,
     ModelCard,
@@ -36,6 +36,7 @@ from decode_worker.server.responses import (
     auth_statuses,
     errors,
     generation_errors,
+    json_body,
     sse_content,
 )
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
@@ -49,11 +50,11 @@ def router(cfg: ServerConfig) -> APIRouter:
     routes = APIRouter()
     routes.add_api_route("/v1/completions", completions, methods=["POST"], response_model=None,
                          openapi_extra=json_body(CompletionRequest, COMPLETION_EXAMPLES),
-                         responses={200: {"model": CompletionResponse, "content": sse_content(CompletionChunk)},
+                         responses={200: {"model": CompletionResponse, "content": sse_content(CompletionEvent)},
                                     **generation_errors(cfg)})
     routes.add_api_route("/v1/chat/completions", chat, methods=["POST"], response_model=None,
                          openapi_extra=json_body(ChatCompletionRequest, CHAT_EXAMPLES),
-                         responses={200: {"model": ChatCompletionResponse, "content": sse_content(ChatCompletionChunk)},
+                         responses={200: {"model": ChatCompletionResponse, "content": sse_content(ChatCompletionEvent)},
                                     **generation_errors(cfg)})
     routes.add_api_route("/v1/models", models, methods=["GET"], response_model=None,
                          responses={200: {"model": ModelList}, **errors(*auth_statuses(cfg), 503)})

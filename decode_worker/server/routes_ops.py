@@ -8,13 +8,21 @@ from decode_worker.config import ServerConfig, package_version
 from decode_worker.engine.engine import Engine
 from decode_worker.server.errors import error_response
 from decode_worker.server.inputs import EngineDep, parse_body
-from decode_worker.server.openapi import json_body
-from decode_worker.server.responses import AbortResult, FlushResult, Load, ModelInfo, Version, auth_statuses, errors
+from decode_worker.server.openapi import (
+    AbortResult,
+    FlushResult,
+    Load,
+    ModelInfo,
+    ServerInfo,
+    Version,
+    auth_statuses,
+    errors,
+    json_body,
+)
 from decode_worker.server.schemas import AbortRequest
 
 FLUSH_WAIT_S = 10.0  # longest wait for in-flight copies before flushing what can go
-_INFO = {"description": "configuration (secrets left out), model, KV layout and cache figures",
-         "content": {"application/json": {"schema": {"type": "object"}}}}
+SERVER_INFO = "configuration (secrets left out), model, KV layout and cache figures"
 
 
 def router(cfg: ServerConfig) -> APIRouter:
@@ -28,7 +36,7 @@ def router(cfg: ServerConfig) -> APIRouter:
                          responses={200: {"description": "one token went through the scheduler"}, **errors(503)})
     for path in ("/get_server_info", "/server_info"):
         routes.add_api_route(path, server_info, methods=["GET"], response_model=None,
-                             responses={200: _INFO, **errors(*auth)})
+                             responses={200: {"model": ServerInfo, "description": SERVER_INFO}, **errors(*auth)})
     for path in ("/get_model_info", "/model_info"):
         routes.add_api_route(path, model_info, methods=["GET"], response_model=None,
                              responses={200: {"model": ModelInfo}, **errors(*auth, 503)})

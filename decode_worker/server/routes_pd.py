@@ -9,11 +9,9 @@ from fastapi.responses import JSONResponse
 from decode_worker.core.request import RequestError
 from decode_worker.pd.handshake import HANDSHAKE_PATH, PD_TOKEN_HEADER
 from decode_worker.pd.prefill import check_pd_token
-from decode_worker.server.examples import HANDSHAKE_EXAMPLES
 from decode_worker.server.generation import until_disconnected
 from decode_worker.server.inputs import EngineDep, parse_body
-from decode_worker.server.openapi import json_body
-from decode_worker.server.responses import HandshakeAccepted, errors
+from decode_worker.server.openapi import HANDSHAKE_EXAMPLES, HandshakeAccepted, errors, json_body
 from decode_worker.server.schemas import HandshakeRequest
 
 _TOKEN_HEADER = {"name": PD_TOKEN_HEADER, "in": "header", "required": False, "schema": {"type": "string"},

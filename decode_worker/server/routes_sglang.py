@@ -11,7 +11,6 @@ from decode_worker.config import ServerConfig
 from decode_worker.core.request import GenerateInput
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.engine import Engine
-from decode_worker.server.examples import GENERATE_EXAMPLES
 from decode_worker.server.generation import (
     Collected,
     admit,
@@ -34,8 +33,14 @@ from decode_worker.server.inputs import (
     prompt_logprob_start,
     stop_list,
 )
-from decode_worker.server.openapi import json_body
-from decode_worker.server.responses import GenerateChunk, GenerateOutput, generation_errors, sse_content
+from decode_worker.server.openapi import (
+    GENERATE_EXAMPLES,
+    GenerateEvent,
+    GenerateOutput,
+    generation_errors,
+    json_body,
+    sse_content,
+)
 from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
 
 
@@ -44,7 +49,7 @@ def router(cfg: ServerConfig) -> APIRouter:
     routes = APIRouter()
     routes.add_api_route("/generate", generate, methods=["POST"], response_model=None,
                          openapi_extra=json_body(GenerateRequest, GENERATE_EXAMPLES),
-                         responses={200: {"model": GenerateOutput, "content": sse_content(GenerateChunk)},
+                         responses={200: {"model": GenerateOutput, "content": sse_content(GenerateEvent)},
                                     **generation_errors(cfg)})
     return routes
 

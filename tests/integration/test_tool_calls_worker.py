@@ -73,7 +73,7 @@ def test_a_required_call_is_valid_from_noise_weights_whole_and_streamed(worker, 
 
 def test_answers_with_calls_keep_to_the_declared_response_schema(worker):
     """What /openapi.json declares (and the schema fuzz holds workers to) admits call answers and call deltas."""
-    from decode_worker.server.responses import ChatCompletionChunk, ChatCompletionResponse
+    from decode_worker.server.openapi import ChatCompletionChunk, ChatCompletionResponse
 
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400, "seed": 1}
     whole = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=120).json()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.server import app as api
-from decode_worker.server import examples
+from decode_worker.server import openapi
 from decode_worker.server.guard import OPEN_PATHS
 from decode_worker.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, HandshakeRequest
 from decode_worker.config import ServerConfig
@@ -42,8 +42,8 @@ def test_no_key_no_401():
 
 
 @pytest.mark.parametrize("model,examples", [
-    (GenerateRequest, examples.GENERATE_EXAMPLES), (CompletionRequest, examples.COMPLETION_EXAMPLES),
-    (ChatCompletionRequest, examples.CHAT_EXAMPLES), (HandshakeRequest, examples.HANDSHAKE_EXAMPLES),
+    (GenerateRequest, openapi.GENERATE_EXAMPLES), (CompletionRequest, openapi.COMPLETION_EXAMPLES),
+    (ChatCompletionRequest, openapi.CHAT_EXAMPLES), (HandshakeRequest, openapi.HANDSHAKE_EXAMPLES),
 ])
 def test_examples_are_valid_bodies(model, examples):
     for example in examples.values():
