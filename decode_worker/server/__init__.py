@@ -1,1 +1,1 @@
-"""The HTTP surface: a router per API family, request schemas, errors and the guard."""
+"""The HTTP surface."""

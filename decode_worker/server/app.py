@@ -1,4 +1,4 @@
-"""The worker's HTTP app (the guard in front, a router per API family) and the server that runs it."""
+"""The HTTP app and the server that runs it."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +39,7 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 class QuietProbes(logging.Filter):
-    """Probes and scrapes show in the access log at debug only."""
+    """Probes and scrapes log at debug only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -48,7 +48,7 @@ class QuietProbes(logging.Filter):
 
 
 def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
-    """The app, its engine loading in the background (/health is 503 until ready)."""
+    """The app, its engine loading in the background."""
     engine = Engine(config)
     app = create_app(engine)
 

@@ -1,4 +1,4 @@
-"""JSON errors in one shape for every route: {"error": {"message", "type", "code"}}."""
+"""JSON errors in one shape: {"error": {"message", "type", "code"}}."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -27,12 +27,12 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _is_union_tag(part: object) -> bool:
-    """Whether a path element names a union member ('list[str]', 'SGLangSamplingParams')."""
+    """Whether a path element names a union member."""
     return isinstance(part, str) and (part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[-"))
 
 
 def describe(exc: RequestValidationError | ValidationError) -> str:
-    """One clause per field; for a union, the member the input came closest to."""
+    """One clause per field; for a union, the closest member."""
     fields: dict[object, tuple[int, dict[str, None]]] = {}
     for err in exc.errors():
         loc = [p for p in err.get("loc", ()) if p != "body"]

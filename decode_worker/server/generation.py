@@ -1,5 +1,4 @@
-"""Running admitted prompts whole (``collect``) or as events (``stream_events``, sent as server-sent events);
-what the client stops waiting for is aborted, freeing its KV pages."""
+"""Running requests whole or streamed; what the client leaves is aborted."""
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +25,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 
 @dataclass
 class IncrementalText:
-    """Incremental detokenization (vLLM's offsets); an incomplete trailing character is held back."""
+    """Incremental detokenization (vLLM's offsets), holding back an incomplete character."""
 
     decode: Callable[[list[int]], str]
     ids: list[int] = field(default_factory=list)
@@ -35,7 +34,7 @@ class IncrementalText:
     read_offset: int = 0  # tokens up to here are in ``text``
 
     def add(self, new_ids: list[int]) -> str:
-        """Append tokens; returns the text they completed (possibly empty)."""
+        """The text ``new_ids`` complete, possibly empty."""
         self.ids += new_ids
         head = self.decode(self.ids[self.prefix_offset : self.read_offset])
         window = self.decode(self.ids[self.prefix_offset :])
@@ -48,7 +47,7 @@ class IncrementalText:
 
 
 class Collected:
-    """A request's output so far: tokens, text, finish reason and cache figures."""
+    """A request's output so far."""
 
     def __init__(self, inp: GenerateInput, decode: Callable[[list[int]], str]):
         self.rid = inp.rid
@@ -74,7 +73,7 @@ class Collected:
         self.e2e_latency = time.monotonic() - self.started
 
     def abort(self, error: Exception) -> TokenEvent:
-        """End this output with ``error``: SGLang's abort finish reason, on an empty last event."""
+        """End with ``error`` as SGLang's abort finish reason."""
         status = error.status if isinstance(error, RequestError) else 500
         message = str(error) if isinstance(error, RequestError) else f"internal error: {type(error).__name__}"
         self.finish_reason = {"type": "abort", "message": message, "status_code": status}
@@ -83,7 +82,6 @@ class Collected:
 
     @property
     def ids(self) -> list[int]:
-        """Output token ids."""
         return self.stream_text.ids
 
     @property
@@ -91,14 +89,14 @@ class Collected:
         return sum(self.cached.values())
 
     def text(self) -> str:
-        """Streamed text while running; the full decode, cut at a stop string, once finished."""
+        """Streamed text; once finished, the full decode cut at a stop string."""
         if self.finish_reason is None:
             return self.stream_text.text
         return trim_stop_string(self.stream_text.decode(self.ids), self.finish_reason)
 
 
 async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
-    """Check every prompt and compile its grammar first: one unservable prompt refuses the body, before any stream."""
+    """Check every prompt and compile its grammar before any runs."""
     for inp in inputs:
         engine.check_request(inp)
     for inp in inputs:
@@ -106,7 +104,6 @@ async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
 
 
 def token_text(engine: Engine) -> Callable[[int], str]:
-    """One token's text, special tokens included, for logprob entries."""
     return lambda token: engine.tokenizer.decode([token], skip_special_tokens=False)
 
 
@@ -126,7 +123,7 @@ async def _drain(stream: RequestStream, c: Collected) -> Collected:
 
 
 async def collect(engine: Engine, request: Request, inputs: list[GenerateInput]) -> list[Collected]:
-    """Run requests to the end; a client that goes away aborts them all."""
+    """Run to the end; a client leaving aborts all."""
     started: list[tuple[RequestStream, Collected]] = []
     tasks: list[asyncio.Future] = []
     try:
@@ -147,9 +144,8 @@ async def collect(engine: Engine, request: Request, inputs: list[GenerateInput])
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result, cancelled if the client goes away first (499 for the log); run in this task to save
-    an event-loop hop."""
-    me = asyncio.current_task()
+    """``work``'s result; a client leaving cancels it (499)."""
+    me = asyncio.current_task()  # the work runs in this task, saving an event-loop hop; the watcher cancels it
     gone = False
 
     async def watch() -> None:
@@ -178,7 +174,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tuple[Collected, TokenEvent]]:
-    """Each event with the output so far; leaving early aborts. A failure yields an abort event, then raises."""
+    """Events with the output so far; a failure ends in an abort event."""
     c = _collected(engine, inp)
     stream: RequestStream | None = None
     finished = False
@@ -197,8 +193,7 @@ async def stream_events(engine: Engine, inp: GenerateInput) -> AsyncIterator[tup
 
 
 async def interleave(engine: Engine, inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Collected, TokenEvent]]:
-    """Every prompt's events as they come, with its index; the first error aborts each unfinished prompt
-    (abort event) and raises."""
+    """All prompts' events with their index; an error aborts the rest."""
     queue: asyncio.Queue[tuple[int, Collected | None, TokenEvent | None, Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, inp: GenerateInput) -> None:
@@ -257,5 +252,5 @@ async def _framed(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    """A ``data:`` line per chunk, a mid-stream error as a last event, then ``data: [DONE]``."""
+    """``data:`` per chunk, an error as last event, then ``[DONE]``."""
     return StreamingResponse(_framed(chunks), media_type="text/event-stream", headers=SSE_HEADERS)

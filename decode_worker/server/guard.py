@@ -1,5 +1,4 @@
-"""What every request passes before a route: API key, body cap and deadline, concurrency cap (docs/security.md).
-ASGI middleware, so a header refusal reads no body and a stream keeps its slot to its end."""
+"""API key, body cap and deadline, concurrency cap (docs/security.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +31,7 @@ def bearer_matches(authorization: str | None, api_key: str) -> bool:
 
 @dataclass
 class Body:
-    """A read body's bytes, or the refusal (None when the client left)."""
+    """A read body, or its refusal."""
 
     data: bytes = b""
     refusal: Response | None = None
@@ -72,7 +71,7 @@ class RequestGuard:
             self.in_flight -= 1
 
     def _refusal(self, scope: Scope) -> Response | None:
-        """The error response for a request refused on its headers alone, or None."""
+        """A refusal on headers alone, or None."""
         path = scope["path"]
         if self.api_key and path not in OPEN_PATHS:
             authorization = _header(scope, b"authorization")
@@ -85,7 +84,7 @@ class RequestGuard:
         return None
 
     def _busy(self, scope: Scope) -> Response | None:
-        """503 for a generation request past the cap, counted once its body is in."""
+        """503 past the generation cap."""
         if scope["path"] in GENERATION_PATHS and self.in_flight >= self.max_concurrent:
             return error_response(f"server busy: {self.in_flight} generation requests in flight "
                                   f"(--max-concurrent-requests {self.max_concurrent}); retry later", 503, "overloaded")
@@ -95,8 +94,7 @@ class RequestGuard:
         return f"request body larger than --max-request-body-bytes ({self.max_body_bytes})"
 
     async def _read_body(self, receive: Receive) -> Body:
-        """The whole body within ``body_timeout_s`` of its headers and the size cap; a refused body's connection
-        is closed so its unread bytes are not read as the next request."""
+        """The body within the deadline and size cap, or its refusal."""
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.body_timeout_s):
@@ -118,7 +116,7 @@ class RequestGuard:
 
     @staticmethod
     def _replay(data: bytes, receive: Receive) -> Receive:
-        """The body in hand, then the connection's own messages."""
+        """The body read, then the connection's messages."""
         pending = True
 
         async def replay() -> Message:

@@ -1,4 +1,4 @@
-"""A request's engine and body, and what the SGLang and OpenAI routes share in making scheduler inputs of it."""
+"""What the routes share in making scheduler inputs."""
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +23,7 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 async def get_engine(request: Request) -> Engine:
-    """Async, so FastAPI calls it on the event loop, not in a thread."""
+    """Async, so it runs on the event loop."""
     return request.app.state.engine
 
 
@@ -31,8 +31,7 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """A JSON body of any content type (``curl -d`` sends form-encoded); refuses unhonoured fields and
-    prefill hosts this worker was not given."""
+    """A JSON body of any content type, its fields and prefill hosts checked."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -51,7 +50,7 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 
 
 async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
-    """Refuse (400 naming it) a ``bootstrap_host`` outside ``--prefill-hosts``, without listing them."""
+    """400 for a ``bootstrap_host`` outside ``--prefill-hosts``."""
     if cfg.role != "decode" or getattr(body, "bootstrap_host", None) is None:
         return
     hosts = body.bootstrap_host if isinstance(body.bootstrap_host, list) else [body.bootstrap_host]
@@ -67,12 +66,12 @@ async def check_prefill_hosts(body: BaseModel, cfg: ServerConfig) -> None:
 
 
 def pick(value: Any, i: int) -> Any:
-    """Prompt ``i``'s value of a field given once or per prompt."""
+    """Prompt ``i``'s entry of a field given once or per prompt."""
     return value[i] if isinstance(value, list) else value
 
 
 def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
-    """A list-valued field of another length than the prompts is refused (400 naming it)."""
+    """400 for a list field whose length is not ``n``."""
     for name in fields:
         value = getattr(body, name)
         if isinstance(value, list) and len(value) != n:
@@ -80,7 +79,7 @@ def per_prompt(body: BaseModel, fields: tuple[str, ...], n: int) -> None:
 
 
 def encode(tokenizer: Tokenizer, text: str | None, ids: list[int] | None) -> list[int]:
-    """The prompt's token ids: given ones as they are, else the text's."""
+    """Given token ids, else the text's."""
     if ids is not None:
         return list(ids)
     if text is None:
@@ -93,7 +92,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def prompt_logprob_start(start: int | None, prompt_len: int, name: str) -> int | None:
-    """``start`` (-1/None: none) checked against the prompt: past its last token is refused."""
+    """``start`` checked against the prompt; -1/None: none."""
     if start is None or start == -1:
         return None
     if not 0 <= start < prompt_len:
@@ -103,7 +102,7 @@ def prompt_logprob_start(start: int | None, prompt_len: int, name: str) -> int |
 
 
 def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | None:
-    """Prompt ``i``'s prefill peer and room, or None outside a PD pair."""
+    """Prompt ``i``'s prefill peer and room; None outside PD."""
     host, port, room = pick(body.bootstrap_host, i), pick(body.bootstrap_port, i), pick(body.bootstrap_room, i)
     if host is None and room is None:
         return None
@@ -116,17 +115,16 @@ def bootstrap(body: BootstrapFields, i: int, cfg: ServerConfig) -> Bootstrap | N
 
 
 def _default_port(cfg: ServerConfig) -> int | None:
-    """A null bootstrap_port: --bootstrap-port on decode, the own port on prefill."""
+    """--bootstrap-port on decode, the own port on prefill."""
     return cfg.bootstrap_port if cfg.role == "decode" else cfg.port
 
 
 def _url_host(host: str) -> str:
-    """A raw IPv6 address goes in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def bootstrap_per_choice(body: BaseModel, prompts: int, total: int) -> bool:
-    """True when the bootstrap fields give one entry per choice, False when one per prompt; else refused."""
+    """Whether bootstrap lists are per choice, not per prompt; else refused."""
     lists = {name: len(v) for name in BOOTSTRAP if isinstance(v := getattr(body, name), list)}
     lengths = set(lists.values())
     if len(lengths) > 1:  # name the field that disagrees with the prompts (or, failing that, with the others)
@@ -143,7 +141,7 @@ def bootstrap_per_choice(body: BaseModel, prompts: int, total: int) -> bool:
 
 
 def choice_room(room: int, j: int) -> int:
-    """Choice ``j``'s room, hashed from the prompt's (choice 0 keeps it), alike on prefill and decode."""
+    """Choice ``j``'s room, hashed from the prompt's; choice 0 keeps it."""
     if j == 0:
         return room
     return int.from_bytes(hashlib.sha256(f"{room}/{j}".encode()).digest()[:8], "big")
@@ -151,8 +149,7 @@ def choice_room(room: int, j: int) -> int:
 
 def choice_inputs(inp: GenerateInput, n: int, body: BaseModel, first: int | None,
                   cfg: ServerConfig) -> list[GenerateInput]:
-    """``inp``'s ``n`` choices, each a request with its own id, seed and room (README's ``n`` paragraph says why);
-    ``first``: their first bootstrap entry, None when per prompt."""
+    """``inp``'s ``n`` choices, each its own id, seed and room (README: ``n``)."""
     samples = fan_out(replace(inp, bootstrap=None), n)
     if first is not None:
         boots = [bootstrap(body, first + j, cfg) for j in range(n)]
@@ -163,7 +160,7 @@ def choice_inputs(inp: GenerateInput, n: int, body: BaseModel, first: int | None
 
 
 def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
-    """``n`` samples of one prompt as ``n`` requests, each with its own id and seed."""
+    """``n`` requests, each its own id and seed."""
     if n == 1:
         return [inp]
     seed = inp.params.seed
@@ -172,14 +169,14 @@ def fan_out(inp: GenerateInput, n: int) -> list[GenerateInput]:
 
 
 def generate_grammar(p: SGLangSamplingParams) -> dict[str, str]:
-    """``/generate``'s grammar as ``SamplingParams`` fields: at most one of json_schema, regex and ebnf."""
+    """``/generate``'s grammar fields: one of json_schema, regex, ebnf at most."""
     given = {f"sampling_params.{kind}": (kind, text) for kind in ("json_schema", "regex", "ebnf")
              if (text := getattr(p, kind)) is not None}
     return _one_grammar(given)
 
 
 def openai_grammar(body: OpenAISampling) -> dict[str, str]:
-    """The OpenAI routes' grammar: ``response_format`` json_object/json_schema, or a regex or ebnf extra."""
+    """The grammar of ``response_format``, regex or ebnf; one at most."""
     given: dict[str, tuple[str, str]] = {}
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":

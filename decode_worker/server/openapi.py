@@ -1,5 +1,4 @@
-"""The OpenAPI document's parts that route signatures cannot give: routes read their own bodies and answer plain
-dicts, so their bodies, answers, stream events and errors are declared from these models."""
+"""The OpenAPI document's models and declarations: routes read their own bodies and answer dicts."""
 from __future__ import annotations
 
 from typing import Any, Generic, Literal, TypeVar
@@ -58,7 +57,7 @@ class GenerateResponse(BaseModel):
 
 
 class GenerateOutput(RootModel[GenerateResponse | list[GenerateResponse]]):
-    """One answer per prompt: a list when the body was batched."""
+    """A list when the body was batched."""
 
 
 class Usage(BaseModel):
@@ -68,8 +67,6 @@ class Usage(BaseModel):
 
 
 class OpenAIEnvelope(BaseModel):
-    """What every OpenAI answer and chunk opens with."""
-
     id: str
     object: str
     created: int
@@ -118,7 +115,7 @@ class FunctionDelta(BaseModel):
 
 
 class ToolCallDelta(BaseModel):
-    """A streamed call: its first delta carries index, id, type and name; later ones the arguments."""
+    """First delta: index, id, type, name; later ones: arguments."""
 
     index: int
     id: str | None = None
@@ -246,7 +243,7 @@ Chunk = TypeVar("Chunk", bound=BaseModel)
 
 
 class StreamEvent(BaseModel, Generic[Chunk]):
-    """``stream: true``: each event is a JSON chunk or a mid-stream error; then ``[DONE]``."""
+    """A JSON chunk or mid-stream error; then ``[DONE]``."""
 
     data: Literal["[DONE]"] | Json[Chunk | ErrorResponse]
 
@@ -287,7 +284,7 @@ _WHY = {
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses for these statuses, in the one error shape (503 with Retry-After)."""
+    """These statuses in the error shape; 503 with Retry-After."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         out[status] = {"model": ErrorResponse, "description": _WHY[status]}
@@ -297,12 +294,12 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def auth_statuses(cfg: ServerConfig) -> tuple[int, ...]:
-    """401 when this worker has an API key."""
+    """401 with an API key."""
     return (401,) if cfg.api_key else ()
 
 
 def generation_errors(cfg: ServerConfig) -> dict[int | str, dict[str, Any]]:
-    """The generate routes' errors; 502/504 on a decode worker, whose prefill peer can fail."""
+    """502/504 only on decode, whose prefill can fail."""
     transfer = (502, 504) if cfg.role == "decode" else ()
     return errors(400, *auth_statuses(cfg), 409, 413, 503, *transfer)
 
@@ -340,7 +337,7 @@ HANDSHAKE_EXAMPLES = {  # what a decode worker sends; the layout is that of the 
 
 
 def json_body(model: type[BaseModel], examples: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``openapi_extra`` of a route whose JSON body is ``model``, with named examples."""
+    """``openapi_extra`` for a JSON body of ``model``."""
     media: dict[str, Any] = {"schema": {"$ref": _REF.format(model=model.__name__)}}
     if examples:
         media["examples"] = {name: {"value": value} for name, value in examples.items()}
@@ -348,7 +345,7 @@ def json_body(model: type[BaseModel], examples: dict[str, dict[str, Any]] | None
 
 
 def declare_models(app: FastAPI) -> None:
-    """Add ``DECLARED`` (and the models they use) to the document's components once."""
+    """``DECLARED`` and what they use, in the components."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible completions, chat and models routes, with SGLang's extras (top_k, ignore_eos, PD fields)."""
+"""OpenAI completions, chat and models, with SGLang's extras."""
 from __future__ import annotations
 
 import time
@@ -46,7 +46,7 @@ from decode_worker.server.tools.spec import ToolPlan, pick_format, tool_plan
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
+    """``cfg`` picks the declared errors."""
     routes = APIRouter()
     routes.add_api_route("/v1/completions", completions, methods=["POST"], response_model=None,
                          openapi_extra=json_body(CompletionRequest, COMPLETION_EXAMPLES),
@@ -85,7 +85,7 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
 
 
 def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[GenerateInput]:
-    """``n`` inputs per prompt, prompt after prompt."""
+    """``n`` inputs per prompt, in prompt order."""
     prompts = _prompts(body)
     per_choice = bootstrap_per_choice(body, len(prompts), len(prompts) * body.n)
     params = _sampling(body, body.max_tokens, body.logprobs or 0)
@@ -102,7 +102,7 @@ def _completion_inputs(body: CompletionRequest, engine: Engine) -> list[Generate
 
 async def _completion_chunks(engine: Engine, inputs: list[GenerateInput], body: CompletionRequest, created: int,
                              model: str) -> AsyncIterator[dict]:
-    """All choices stream at once, each chunk naming its index; ``include_usage`` adds a last usage chunk."""
+    """All choices at once, by index."""
     sent, last = [""] * len(inputs), [None] * len(inputs)
     echoes = _echoes(body, inputs, engine)
     scored = body.echo and body.logprobs is not None  # the echo goes out with the prompt's logprobs, once scored
@@ -152,7 +152,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
 
 def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], per_choice: bool,
                 plan: ToolPlan | None) -> GenerateInput:
-    """A required call holds the answer to the plan's schema, so no other grammar."""
+    """A required call's schema is the only grammar."""
     max_tokens = body.max_completion_tokens or body.max_tokens or 256
     rid = body.rid or "chatcmpl-" + uuid.uuid4().hex
     if body.top_logprobs and not body.logprobs:
@@ -169,7 +169,7 @@ def _chat_input(body: ChatCompletionRequest, engine: Engine, prompt: list[int], 
 
 async def _chat_chunks(engine: Engine, inputs: list[GenerateInput], body: ChatCompletionRequest,
                        plan: ToolPlan | None, created: int, model: str) -> AsyncIterator[dict]:
-    """Per choice: role, content/tool-call deltas, finish reason; ``include_usage`` adds a usage chunk."""
+    """Per choice: role, deltas, finish reason."""
 
     def chunk(index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -200,7 +200,7 @@ async def models(engine: EngineDep) -> dict:
 
 
 async def model(request: Request, engine: EngineDep) -> dict:
-    """OpenAI's model retrieval: the one model this worker serves, by its id (any string: no 422 to declare)."""
+    """The one served model by id (any string: no 422)."""
     model_id = request.path_params["model_id"]
     card = _card(engine)
     if model_id != card["id"]:
@@ -224,13 +224,13 @@ def _sampling(body: OpenAISampling, max_tokens: int, top_logprobs: int) -> Sampl
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:
-    """The body's prompts: a text or token ids, alone or in a batch."""
+    """Text or token ids, alone or batched."""
     batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
     return body.prompt if batch else [body.prompt]
 
 
 def _echoes(body: CompletionRequest, inputs: list[GenerateInput], engine: Engine) -> list[str]:
-    """Each choice's prompt as sent when ``echo`` asks, else ''."""
+    """Each choice's prompt text with ``echo``, else ''."""
     if not body.echo:
         return [""] * len(inputs)
     texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in _prompts(body)]
@@ -245,14 +245,13 @@ def _completion_lp(engine: Engine, body: CompletionRequest, ids: list[int], logp
 
 
 def _echo_lp(engine: Engine, body: CompletionRequest, inp: GenerateInput, c: Collected) -> dict | None:
-    """The echoed prompt's logprobs, when echo asks for logprobs."""
     if c.prompt_logprobs is None or body.logprobs is None:
         return None
     return prompt_completion_logprobs(token_text(engine), inp.prompt_ids, c.prompt_logprobs, body.logprobs)
 
 
 def _joined(head: dict | None, tail: dict | None) -> dict | None:
-    """Two completion logprobs objects as one, each list after the other."""
+    """Two logprobs objects, list after list."""
     if head is None or tail is None:
         return head or tail
     return {key: head[key] + tail[key] if head[key] is not None else None for key in head}
@@ -264,7 +263,7 @@ def _chat_lp(engine: Engine, body: ChatCompletionRequest, ids: list[int], logpro
 
 
 def _new_text(text: str, sent: str, finished: bool) -> str:
-    """The text past ``sent``, holding back a trailing U+FFFD until the stream ends."""
+    """Text past ``sent``; a trailing U+FFFD waits for the end."""
     if not finished:
         text = text.rstrip("\ufffd")
     return text[len(sent):] if text.startswith(sent) else ""
@@ -275,7 +274,7 @@ def _envelope(rid: str, kind: str, created: int, model: str, choices: list[dict]
 
 
 def _usage(results: list[Collected], n: int) -> dict:
-    """Each prompt counts once (its ``n`` samples share it); every sample's output counts."""
+    """Each prompt counts once, every sample's output counts."""
     prompts = results[::n]
     prompt_tokens = sum(c.prompt_tokens for c in prompts)
     completion_tokens = sum(len(c.ids) for c in results)
@@ -289,7 +288,7 @@ def _include_usage(body: OpenAISampling) -> bool:
 
 
 def _finish(c: Collected) -> str | None:
-    """An aborted choice says ``content_filter``, OpenAI's only reason meaning "cut short by the server"."""
+    """An aborted choice reads ``content_filter``, OpenAI's cut-short reason."""
     if c.finish_reason is None:
         return None
     return "content_filter" if c.finish_reason["type"] == "abort" else c.finish_reason["type"]
@@ -311,7 +310,7 @@ def completion_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float
 
 
 def prompt_completion_logprobs(text_of: TokenText, prompt_ids: list[int], scored: PromptLogprobs, k: int) -> dict:
-    """The echoed prompt's logprobs, offsets from 0; its first token's logprob and alternatives are null."""
+    """The echoed prompt's, offsets from 0, first token's null."""
     out = completion_logprobs(text_of, prompt_ids[scored.start:], scored.logprobs, scored.top, k)
     if k:
         out["top_logprobs"] = [row if lp is not None else None for row, lp in zip(out["top_logprobs"], scored.logprobs)]
@@ -320,7 +319,7 @@ def prompt_completion_logprobs(text_of: TokenText, prompt_ids: list[int], scored
 
 def chat_logprobs(text_of: TokenText, ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]]) -> dict:
-    """``content``: per token its text, logprob, UTF-8 bytes and best alternatives."""
+    """Per token: text, logprob, UTF-8 bytes, alternatives."""
     rows = top if top else [[] for _ in ids]
     return {"content": [{**_entry(text_of(t), lp), "top_logprobs": [_entry(text_of(a), alp) for a, alp in row]}
                         for t, lp, row in zip(ids, logprobs, rows)]}

@@ -1,4 +1,4 @@
-"""Health, server and model info, load, cache flush and Prometheus metrics."""
+"""Health, info, load, cache flush, abort and metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -26,7 +26,7 @@ SERVER_INFO = "configuration (secrets left out), model, KV layout and cache figu
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
+    """``cfg`` picks the declared errors."""
     auth = auth_statuses(cfg)
     routes = APIRouter()
     routes.add_api_route("/health", health, methods=["GET"], response_model=None, response_class=Response,
@@ -56,7 +56,7 @@ def router(cfg: ServerConfig) -> APIRouter:
 
 
 def _not_ready(engine: Engine) -> Response | None:
-    """The probes' 503, or None once the engine is ready."""
+    """The probes' 503, or None when ready."""
     if engine.ready:
         return None
     return error_response("not ready: " + engine.not_ready_reason, 503, "unavailable")
@@ -91,8 +91,7 @@ async def get_load(engine: EngineDep) -> dict:
 
 
 async def flush_cache(engine: EngineDep) -> dict:
-    """Waits (at most ``FLUSH_WAIT_S``) for L1<->L2 copies in flight, whose locks would keep the prefixes they
-    copy; ``success`` is false, and the message says why, when any token stayed cached."""
+    """Waits up to ``FLUSH_WAIT_S`` for tier copies; ``success`` false, saying why, if any token stayed."""
     engine.require_ready()
     out = await engine.cache.flush_settled(FLUSH_WAIT_S)
     message = f"cache flushed: {out.dropped_tokens} tokens dropped"
@@ -109,8 +108,7 @@ async def metrics(engine: EngineDep) -> Response:
 
 
 async def abort_request(request: Request, engine: EngineDep) -> dict:
-    """End a live request (or all with ``abort_all``): its client gets a 499 and its KV is freed. An unknown or
-    finished id aborts nothing."""
+    """Abort a live request, or all (499 to their clients); an unknown id aborts nothing."""
     body = await parse_body(request, AbortRequest)
     live = engine.live_requests()
     rids = live if body.abort_all else [r for r in live if r == body.rid]

@@ -1,4 +1,4 @@
-"""The prefill worker's end of the PD handshake (prefill only); each refusal logs peer, room and why."""
+"""The prefill end of the PD handshake."""
 from __future__ import annotations
 
 import logging

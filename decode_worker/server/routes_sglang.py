@@ -1,4 +1,4 @@
-"""SGLang's native ``/generate``: text or token ids, one or a batch, whole or streamed (output so far)."""
+"""SGLang's ``/generate``: one or a batch, whole or streamed."""
 from __future__ import annotations
 
 import uuid
@@ -45,7 +45,7 @@ from decode_worker.server.schemas import GenerateRequest, SGLangSamplingParams
 
 
 def router(cfg: ServerConfig) -> APIRouter:
-    """``cfg`` picks the declared errors. No response_model: answers are plain dicts, not re-validated."""
+    """``cfg`` picks the declared errors."""
     routes = APIRouter()
     routes.add_api_route("/generate", generate, methods=["POST"], response_model=None,
                          openapi_extra=json_body(GenerateRequest, GENERATE_EXAMPLES),
@@ -70,7 +70,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
 
 
 def _inputs(body: GenerateRequest, batched: bool, engine: Engine) -> list[GenerateInput]:
-    """One input per prompt and sample, with its own entry of each list-valued field."""
+    """One input per prompt and sample."""
     texts = body.text if isinstance(body.text, list) else [body.text]
     ids = body.input_ids if batched and body.input_ids else [body.input_ids]
     n = len(texts) if body.text is not None else len(ids)
@@ -104,7 +104,7 @@ def _sampling(p: SGLangSamplingParams, top_logprobs: int) -> SamplingParams:
 
 async def _chunks(engine: Engine, inputs: list[GenerateInput], batched: bool,
                   text_in_logprobs: bool) -> AsyncIterator[dict]:
-    """A batch streams all its prompts at once, each chunk naming its prompt's index."""
+    """A batch streams its prompts at once, by index."""
     text_of = token_text(engine) if text_in_logprobs else None
     if not batched:
         async for c, _ in stream_events(engine, inputs[0]):
@@ -119,7 +119,7 @@ def _answer(c: Collected, inp: GenerateInput, text_of: Callable[[int], str] | No
 
 
 def _entry(logprob: float | None, token: int, text_of: Callable[[int], str] | None) -> list:
-    """SGLang's logprob entry: [logprob, token id, text or null]."""
+    """[logprob, token id, text or null]."""
     return [logprob, token, text_of(token) if text_of else None]
 
 

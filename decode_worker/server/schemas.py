@@ -1,5 +1,4 @@
-"""Request bodies of the SGLang and OpenAI routes and the PD handshake, and which documented fields are refused.
-A field no API documents is ignored and logged once."""
+"""Request bodies; documented, unhonoured fields refused; unknown ones logged once."""
 from __future__ import annotations
 
 import ipaddress
@@ -27,7 +26,7 @@ def _is_ip(text: str, version: int | None = None) -> bool:
 
 
 def _check_host(host: str) -> str:
-    """A hostname, IP or bracketed IPv6: it goes into the handshake URL, so no ``/``, ``@`` or ``?``."""
+    """A hostname, IP or bracketed IPv6, safe in a URL."""
     bracketed = host.startswith("[") and host.endswith("]") and _is_ip(host[1:-1], 6)
     if not (bracketed or _is_ip(host) or _HOSTNAME.fullmatch(host)):
         raise ValueError(f"{host!r} is not a hostname or an IP address")
@@ -64,7 +63,7 @@ class _Lenient(BaseModel):
 
 
 class BootstrapFields(_Lenient):
-    """Added by a PD router: where the prefill peer is and which transfer room this request uses."""
+    """A PD router's prefill peer and transfer room."""
 
     bootstrap_host: Host | list[Host | None] | None = None
     bootstrap_port: Port | list[Port | None] | None = None
@@ -106,7 +105,7 @@ class GenerateRequest(BootstrapFields):
 
 
 class JsonSchemaFormat(_Lenient):
-    """OpenAI's ``response_format.json_schema``: the output always keeps to it, as ``strict: true`` asks."""
+    """``response_format.json_schema``: always held to, as ``strict`` asks."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -117,7 +116,7 @@ class JsonSchemaFormat(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    """OpenAI's ``response_format``: free text, any JSON object, or JSON that a schema accepts."""
+    """Text, any JSON object, or a schema's JSON."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -128,7 +127,7 @@ class StreamOptions(_Lenient):
 
 
 class OpenAISampling(BootstrapFields):
-    """Sampling fields shared by the completions and chat routes (plus SGLang's extras top_k, ignore_eos)."""
+    """Fields of both OpenAI routes, with SGLang's extras."""
 
     model: str | None = None
     temperature: Temperature = 1.0
@@ -157,15 +156,14 @@ class CompletionRequest(OpenAISampling):
 
 
 class ContentPart(_Lenient):
-    """One part of an OpenAI message's content; a text model can serve only ``text`` parts."""
+    """A message content part; only ``text`` is served."""
 
     type: str
     text: str | None = None
 
 
 class FunctionDefinition(_Lenient):
-    """A function the model may call, its arguments held to ``parameters`` (any object when absent).
-    ``strict`` is accepted as given: a required or named call is always held to the schema."""
+    """A callable function; a required or named call keeps to ``parameters``."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: str | None = None
@@ -183,7 +181,7 @@ class FunctionName(_Lenient):
 
 
 class NamedToolChoice(_Lenient):
-    """``tool_choice`` naming the one function the model must call."""
+    """The one function the model must call."""
 
     type: Literal["function"]
     function: FunctionName
@@ -195,7 +193,7 @@ class CalledFunction(_Lenient):
 
 
 class ToolCallMessage(_Lenient):
-    """A call an earlier assistant message made, sent back with the conversation."""
+    """A call an earlier assistant message made."""
 
     id: str
     type: Literal["function"] = "function"
@@ -221,15 +219,14 @@ class ChatCompletionRequest(OpenAISampling):
 
 
 class AbortRequest(_Lenient):
-    """SGLang's ``/abort_request``: one request by id, or every live one."""
+    """One request by id, or all."""
 
     rid: str = ""
     abort_all: bool = False
 
 
 class HandshakeRequest(_Lenient):
-    """Decode -> prefill: the room, the prompt and KV layout decode holds, and the NIXL agents
-    (``pd/handshake.py``). The PD token goes in the X-PD-Token header, never the body (bodies reach logs)."""
+    """Decode -> prefill; the PD token goes in a header, never the body."""
 
     room: Room
     prompt_len: int = Field(ge=1)
@@ -241,7 +238,7 @@ class HandshakeRequest(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_token_in_body(cls, data: Any) -> Any:
-        """A ``token`` in the body (an older decode worker's) is refused, naming the header to use."""
+        """A body ``token`` is refused, naming the header."""
         if isinstance(data, dict) and "token" in data:
             raise ValueError(f"field 'token' is not accepted in the handshake body: send the PD token in the "
                              f"{PD_TOKEN_HEADER} header")
@@ -296,7 +293,7 @@ _warned: set[tuple[str, str]] = set()
 
 
 def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
-    """ValueError naming a set, documented, unhonoured field of ``data`` (raw body of ``model``); warns on unknown."""
+    """ValueError naming a set, documented, unhonoured field; unknown ones warn once."""
     if not isinstance(data, dict):
         return  # the schema's own validation says what is wrong
     _check(model, data, ROUTES.get(where, {}), where, "")
@@ -309,7 +306,7 @@ def check_fields(model: type[BaseModel], data: Any, where: str) -> None:
 
 @cache
 def _known(model: type[BaseModel]) -> frozenset[str]:
-    """The fields ``model`` declares, by name and alias."""
+    """Field names and aliases."""
     return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 

@@ -1,1 +1,1 @@
-"""Tool calls on the chat route: request (``spec``), prompt (``render``), and answer read back (``parsers``)."""
+"""Tool calls on the chat route."""

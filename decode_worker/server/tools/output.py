@@ -1,4 +1,4 @@
-"""A chat choice's answer in OpenAI's shape with tools: the whole message, or stream deltas."""
+"""A chat answer with tools, whole or as deltas."""
 from __future__ import annotations
 
 from decode_worker.server.tools.parsers import Item, Reader, ToolCall, read_all
@@ -6,7 +6,7 @@ from decode_worker.server.tools.spec import ToolPlan
 
 
 def chat_message(plan: ToolPlan | None, text: str) -> dict:
-    """The finished answer's assistant message, calls parsed out when a plan is given."""
+    """The assistant message, calls parsed out with a plan."""
     if plan is None:
         return {"role": "assistant", "content": text}
     content, calls = read_all(plan.reader(), text)
@@ -17,12 +17,12 @@ def chat_message(plan: ToolPlan | None, text: str) -> dict:
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
-    """``tool_calls`` for an answer that ended by itself with calls; else its own reason."""
+    """``tool_calls`` when an answer stopped by itself with calls."""
     return "tool_calls" if called and reason == "stop" else reason
 
 
 class ChoiceDeltas:
-    """One streamed choice: text deltas in, chat deltas out."""
+    """One streamed choice: text in, chat deltas out."""
 
     def __init__(self, plan: ToolPlan | None):
         self.reader: Reader | None = plan.reader() if plan is not None else None

@@ -1,5 +1,4 @@
-"""The model's answer read back into OpenAI tool calls; readers ``feed`` on text pieces, so streamed and
-whole answers agree. Formats: ``FORMATS`` (``--tool-call-parser``)."""
+"""Answers read back into tool calls, alike whole or streamed."""
 from __future__ import annotations
 
 import json
@@ -20,7 +19,7 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def message(self) -> dict:
-        """The call as a ``tool_calls`` entry."""
+        """As a ``tool_calls`` entry."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -34,7 +33,7 @@ class Reader(Protocol):
 
 
 def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
-    """A call naming one of ``names`` (arguments may come as JSON text of an object), else None."""
+    """A call to one of ``names``, else None."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -54,7 +53,7 @@ def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
 
 
 class _Spacing:
-    """Drops the whitespace between content and a call."""
+    """Drops whitespace between content and a call."""
 
     def __init__(self) -> None:
         self.held = ""
@@ -81,7 +80,7 @@ class _Spacing:
 
 
 def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that could start ``tag``."""
+    """How much of ``text``'s end could start ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -89,7 +88,7 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 def _in_string(text: str) -> bool:
-    """Whether ``text`` (the start of some JSON) ends inside a string."""
+    """Whether JSON ``text`` ends inside a string."""
     inside = escaped = False
     for ch in text:
         if escaped:
@@ -102,7 +101,7 @@ def _in_string(text: str) -> bool:
 
 
 class TaggedReader:
-    """Calls as JSON objects between tags (Hermes); an unclosed call counts once its JSON is complete."""
+    """Calls as JSON between tags (Hermes); an unclosed one counts once complete."""
 
     def __init__(self, names: frozenset[str], start: str = "<tool_call>", end: str = "</tool_call>"):
         self.names, self.start, self.end = names, start, end
@@ -139,7 +138,7 @@ class TaggedReader:
         return out + self.spacing.finish()
 
     def _end_tag(self) -> int:
-        """The open call's end tag's index, -1 if not yet (a tag inside a JSON string is text)."""
+        """The call's end tag outside JSON strings, or -1."""
         at = self.pending.find(self.end)
         while at >= 0 and _in_string(self.pending[:at]):
             at = self.pending.find(self.end, at + 1)
@@ -153,7 +152,7 @@ class TaggedReader:
 
 
 class ArrayReader:
-    """A JSON array of calls (constrained decoding's shape); what does not parse stays content."""
+    """A JSON array of calls (constrained decoding's); the unparsable stays content."""
 
     def __init__(self, names: frozenset[str]):
         self.names = names
@@ -221,7 +220,7 @@ class ArrayReader:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model writes calls: template ``marker``, ``reader``, and ``call_end`` to stop after one call."""
+    """A call format: template marker, reader, call end."""
 
     name: str
     marker: str
@@ -236,7 +235,7 @@ DEFAULT_FORMAT = "hermes"
 
 
 def read_all(reader: Reader, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer: its content (None when there is none) and its calls."""
+    """A whole answer's content (None if empty) and calls."""
     items = reader.feed(text) + reader.finish()
     content = "".join(i for i in items if isinstance(i, str))
     return content or None, [i for i in items if isinstance(i, ToolCall)]

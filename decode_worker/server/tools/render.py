@@ -1,5 +1,4 @@
-"""A chat conversation with tools as the model's prompt: OpenAI messages for a template that shows the
-call format's marker, Hermes-style plain messages otherwise."""
+"""A chat with tools as the model's prompt."""
 from __future__ import annotations
 
 import json
@@ -16,7 +15,7 @@ TOOLS_INTRO = ("# Tools\n\nYou may call functions to help with the user's reques
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[Tool], fmt: ToolFormat) -> list[int]:
-    """The prompt's token ids; ``tools`` empty if hidden. A malformed conversation is refused, naming the message."""
+    """The prompt's token ids; a malformed conversation is refused."""
     _check_results(messages)
     template = tokenizer.chat_template
     native = fmt.marker in template and "tools" in template
@@ -30,7 +29,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[T
 
 
 def message_text(content: str | list[ContentPart] | None) -> str:
-    """Content parts joined ('' for none); a part a text model cannot read is refused."""
+    """Text parts joined; other parts are refused."""
     if not isinstance(content, list):
         return content or ""
     other = sorted({p.type for p in content} - {"text"})
@@ -41,7 +40,7 @@ def message_text(content: str | list[ContentPart] | None) -> str:
 
 
 def _check_results(messages: list[ChatMessage]) -> None:
-    """Each tool message answers an earlier call; calls only on assistant messages."""
+    """Tool messages answer earlier calls; only assistants call."""
     called: set[str] = set()
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":

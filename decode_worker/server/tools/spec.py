@@ -1,4 +1,4 @@
-"""What a chat request asks of tools; ``required`` and a named function are enforced by constrained decoding."""
+"""What a chat request asks of tools."""
 from __future__ import annotations
 
 import json
@@ -23,15 +23,15 @@ class ToolPlan:
         return frozenset(f["name"] for f in self.functions)
 
     def reader(self) -> Reader:
-        """The constrained JSON array's reader when a call is required, else the model's format's."""
+        """A required call's array reader, else the format's."""
         return ArrayReader(self.names) if self.required else self.fmt.reader(self.names)
 
     def stop(self) -> list[str]:
-        """Stop strings: after the first call when parallel calls are off and the model is free."""
+        """After one call, unless parallel or required."""
         return [self.fmt.call_end] if not (self.required or self.parallel) else []
 
     def json_schema(self) -> str | None:
-        """A required call's schema: a non-empty array (one item if named or not parallel) of name/arguments."""
+        """A required call's schema: an array of name/arguments objects."""
         if not self.required:
             return None
         calls = [_call_schema(f) for f in self.functions]
@@ -48,14 +48,14 @@ def _call_schema(function: dict) -> dict:
 
 
 def pick_format(flag: str, template: str) -> ToolFormat:
-    """``--tool-call-parser``: a format by name, or ``auto``: the one the template shows, else Hermes."""
+    """``--tool-call-parser``: by name, or the template's (default Hermes)."""
     if flag != "auto":
         return FORMATS[flag]
     return next((f for f in FORMATS.values() if f.marker in template), FORMATS[DEFAULT_FORMAT])
 
 
 def tool_plan(body: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
-    """The tool plan, or None when nothing is to be called; an unmeetable choice is a 400 naming the field."""
+    """The plan, or None when nothing is called; 400 when unmeetable."""
     tools = body.tools or []
     functions = tuple(t.function.model_dump(exclude_none=True) for t in tools)
     names = [f["name"] for f in functions]
