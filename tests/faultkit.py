@@ -454,9 +454,9 @@ def _reuse_after_hold(every_s: float) -> None:
     def overwrite(self, lease) -> None:
         """Another prompt's KV, as a reuse would leave: finite values (random bytes would make NaNs, which poison
         attention even in the slots past a prompt's end that reuse leaves stale and attention weighs by 0)."""
-        pages = lease.req.seq.pages
+        pages = lease.held.prompt_pages()
         self.pool.buffer[pages] = torch.randn(self.pool.buffer[pages].shape).to(self.pool.buffer.dtype)
-        print(f"faultkit: reused pages={len(lease.req.seq.pages)} room={lease.room}", file=sys.stderr, flush=True)
+        print(f"faultkit: reused pages={len(pages)} room={lease.room}", file=sys.stderr, flush=True)
 
     def expire_and_reuse(self) -> None:
         now = time.monotonic()

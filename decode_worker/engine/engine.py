@@ -1,4 +1,4 @@
-"""The serving engine: model, cache and scheduler behind the HTTP layer's few calls."""
+"""The serving engine behind the HTTP layer's few calls."""
 from __future__ import annotations
 
 import asyncio
@@ -55,7 +55,7 @@ class Engine:
     # ---- start-up ---------------------------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        """Blocking part of start-up (weights, pools); run it off the event loop."""
+        """Blocking start-up: run it off the loop."""
         cfg = self.config
         path = Path(cfg.model_path) if cfg.model_path else ensure_default_model()
         self.model_path = str(path)
@@ -103,7 +103,6 @@ class Engine:
             done=self.handoff if self.handoff is not None else COLOCATED,
         )
         if self.handoff is not None:
-            self.handoff.scheduler = self.scheduler
             self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
         self.metrics.watch(lambda: cache_families(self.cache.stats()), self.scheduler.queue_stats)
         self.metrics.model_name = self.model_name
@@ -111,7 +110,7 @@ class Engine:
         self.ready, self.not_ready_reason = True, ""
 
     async def _expire_leases(self) -> None:
-        """Free expired prefill leases once a second; a failing pass is logged and never ends the task."""
+        """Free expired prefill leases each second; a failing pass never ends the task."""
         while True:
             await asyncio.sleep(1.0)
             try:
@@ -166,14 +165,14 @@ class Engine:
         scheduler.check_fits(inp)
 
     async def compile_grammar(self, inp: GenerateInput) -> CompiledGrammar | None:
-        """``inp``'s grammar compiled off the loop (once per text), or None; RequestError naming the field."""
+        """``inp``'s grammar compiled off the loop, or None; RequestError naming the field."""
         if inp.params.grammar is None:
             return None
         self.require_ready()
         return await self.grammars.compile(inp.params)
 
     async def submit(self, inp: GenerateInput) -> RequestStream:
-        """Expects ``check_request`` run and the grammar compiled by the route; the scheduler checks the fit again."""
+        """Expects ``check_request`` run and the grammar compiled by the route."""
         grammar = await self.compile_grammar(inp)
         return self.require_ready().submit(inp, grammar)
 
@@ -185,8 +184,7 @@ class Engine:
         return list(self.scheduler.requests) if self.scheduler is not None else []
 
     async def health_generate(self) -> None:
-        """Prove the loop serves with one token through the scheduler; open and uncounted, so one probe runs at a
-        time and answers every caller until ``HEALTH_REUSE_S`` after it ends."""
+        """One token through the scheduler; one probe at a time, its answer shared for ``HEALTH_REUSE_S``."""
         self.require_ready()
         await self._health(self._probe)
 
@@ -223,7 +221,7 @@ class Engine:
         return info
 
     def get_load(self) -> dict:
-        """What a router balances on: live and queued requests, KV pages in use."""
+        """What a router balances on."""
         if self.scheduler is None:
             return {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         q = self.scheduler.queue_stats()

@@ -1,6 +1,4 @@
-"""Decode side of PD: handshake while queued, read the delta from prefill's pool into the request's own pages once
-admitted, then release prefill's. A read's bytes count only if it ended within prefill's hold (docs/reliability.md).
-"""
+"""Decode side of PD: handshake while queued, read the delta once admitted (docs/reliability.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
-import numpy as np
 
-from decode_worker.cache.handles import NO_PAGES
 from decode_worker.config import ServerConfig
 from decode_worker.core.prefill_hosts import prefill_hosts
 from decode_worker.core.request import Bootstrap, Prefilled, RequestError
@@ -28,11 +24,11 @@ from decode_worker.pd.handshake import (
     prompt_digest,
     release_message,
 )
+from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.transfer.agent import KVAgent, Peer, TransferError
 
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
-    from decode_worker.scheduler.req import Req
 
 log = logging.getLogger(__name__)
 _HANDSHAKE_REASONS = {401: "unauthorized", 404: "unknown_room", 409: "mismatch"}
@@ -43,14 +39,14 @@ HOLD_MARGIN_S = 1.0
 
 
 def handshake_client(timeout_s: float) -> httpx.AsyncClient:
-    """Handshake client whose idle connections close well before the server's, so none is reused as it closes."""
+    """Handshake client whose idle connections close well before the server's."""
     return httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
         max_connections=100, max_keepalive_connections=20, keepalive_expiry=HANDSHAKE_KEEPALIVE_S))
 
 
 @dataclass(eq=False)
 class _Room:
-    """One request's hand-off from prefill: the handshake in flight, then its answer."""
+    """One request's handshake, then its answer."""
 
     boot: Bootstrap
     asked: float  # monotonic time the handshake was posted
@@ -60,7 +56,7 @@ class _Room:
 
 
 class DeltaKVFetcher:
-    """The decode role's ``PromptSource``: a fresh request's prompt KV comes from its prefill peer."""
+    """The decode role's ``PromptSource``: prompt KV comes from the prefill peer."""
 
     def __init__(self, config: ServerConfig, pool: KVPool, agent: KVAgent, metrics: Metrics, vocab_size: int):
         self.config = config
@@ -84,44 +80,44 @@ class DeltaKVFetcher:
         self.metrics.transfer_failures.labels(reason).inc()
         return RequestError(message, status, "kv_transfer_error")
 
-    def receives(self, req: Req) -> bool:
-        """Every fresh prompt comes from prefill; a retracted request recomputes what it lost here."""
-        return not req.seq.output_ids
+    def receives(self, prompt: PeerPrompt) -> bool:
+        """Every fresh prompt comes from prefill."""
+        return True
 
-    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
-        """Post the handshake of a queued request now, so prefill's answer and the L3 prefetch race."""
-        if self.receives(req) and req.rid not in self._rooms:
-            self._start(req).task.add_done_callback(lambda _: wakeup())
+    def prepare(self, prompt: PeerPrompt, wakeup: Callable[[], None]) -> None:
+        """Post the handshake now, racing the L3 prefetch."""
+        if prompt.rid not in self._rooms:
+            self._start(prompt).task.add_done_callback(lambda _: wakeup())
 
-    def answered(self, req: Req) -> bool:
-        """True once the request could start: prefill answered, or the handshake failed."""
-        room = self._rooms.get(req.rid)
+    def answered(self, prompt: PeerPrompt) -> bool:
+        """True once prefill answered or the handshake failed."""
+        room = self._rooms.get(prompt.rid)
         return room is not None and room.task.done()
 
-    def forget(self, req: Req) -> None:
-        """The request left before admission: stop its handshake, and free prefill's pages if it had answered."""
-        self._forget_room(req.rid)
+    def forget(self, prompt: PeerPrompt) -> None:
+        """Stop the handshake; release prefill's pages if answered."""
+        self._forget_room(prompt.rid)
 
-    async def receive(self, req: Req, delta_pages: np.ndarray) -> Prefilled:
-        """Read the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; return prefill's first token and
-        logprobs (all computed by prefill), or raise ``RequestError`` (``kv_transfer_error``, 502/504)."""
-        room = self._rooms.get(req.rid) or self._start(req)
+    async def receive(self, pending: PendingReceive) -> Prefilled:
+        """Read the prompt's KV into ``pending.pages``; prefill's first token, or ``RequestError`` (502/504)."""
+        prompt = pending.prompt
+        room = self._rooms.get(prompt.rid) or self._start(prompt)
         try:
             answer, peer = await room.task
             try:
-                first = answer.prefilled(req.inp.logprob_start, req.seq.params.top_logprobs)
+                first = answer.prefilled(prompt.logprob_start, prompt.top_logprobs)
             except BadAnswer as e:
                 raise self._fail("bad_answer", f"prefill {room.boot.host}:{room.boot.port} answered: {e}") from e
-            read_s = await self._read(req, room, answer, peer, delta_pages.tolist())
-            req.own_since = room.answered + read_s  # the first token's emission observes decode_own_seconds
+            read_s = await self._read(pending, room, answer, peer, pending.pages.tolist())
+            pending.own_since = room.answered + read_s  # the first token's emission observes decode_own_seconds
             return first
         finally:
-            self._forget_room(req.rid)
+            self._forget_room(prompt.rid)
 
-    async def _read(self, req: Req, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> float:
-        """Read the delta into ``into``; returns how long that took."""
-        ps, prompt = self.pool.page_size, req.seq.prompt_ids
-        prefix_pages = req.prefix_pages
+    async def _read(self, pending: PendingReceive, room: _Room, answer: Answer, peer: Peer, into: list[int]) -> float:
+        """Read the delta into ``into`` within prefill's hold; the seconds it took."""
+        ps, prompt = self.pool.page_size, pending.prompt.prompt_ids
+        prefix_pages = pending.prefix_pages
         started = time.monotonic()
         hold_ends = room.asked + answer.waited_s + answer.hold_s - HOLD_MARGIN_S  # monotonic: docs/reliability.md
         deadline = min(started + self.config.transfer_timeout_s, hold_ends)
@@ -134,7 +130,7 @@ class DeltaKVFetcher:
                 await self.agent.read(answer.room, peer, into, answer.pages[prefix_pages:], deadline)
             except TransferError as e:
                 if e.reason == "unstoppable":
-                    self._quarantine(req)
+                    self._quarantine(pending)
                 raise self._fail(e.reason, f"KV transfer from prefill {room.boot.host}:{room.boot.port} failed: "
                                            f"{e.reason}" + (f" ({e.detail})" if e.detail else ""),
                                  504 if e.reason == "timeout" else 502) from e
@@ -148,7 +144,7 @@ class DeltaKVFetcher:
         return took
 
     def _done_reading(self, name: str) -> None:
-        """One read of agent ``name`` ended; a replaced agent goes once its last read has."""
+        """A read ended; a replaced agent goes after its last read."""
         self._reading[name] -= 1
         if not self._reading[name]:
             del self._reading[name]
@@ -156,15 +152,16 @@ class DeltaKVFetcher:
                 self._replaced.discard(name)
                 self.agent.drop_peer(name)
 
-    def _quarantine(self, req: Req) -> None:
-        """Leak a read's pages on purpose (logged): a read that could not be stopped may still write into them."""
-        leaked, req.handle.delta_pages = req.handle.delta_pages, NO_PAGES
+    @staticmethod
+    def _quarantine(pending: PendingReceive) -> None:
+        """Never free the pages of a read that could not be stopped."""
+        pending.keep_pages_out_of_use()
         log.error("request %s: %d KV pages are kept out of use for good (a read into them could not be stopped)",
-                  req.rid, len(leaked))
+                  pending.prompt.rid, len(pending.pages))
 
-    def _start(self, req: Req) -> _Room:
-        room = self._rooms[req.rid] = _Room(req.inp.bootstrap, time.monotonic())
-        room.task = asyncio.get_running_loop().create_task(self._handshake(room, req.seq.prompt_ids))
+    def _start(self, prompt: PeerPrompt) -> _Room:
+        room = self._rooms[prompt.rid] = _Room(prompt.bootstrap, time.monotonic())
+        room.task = asyncio.get_running_loop().create_task(self._handshake(room, prompt.prompt_ids))
         return room
 
     def _forget_room(self, rid: str) -> None:
@@ -179,8 +176,7 @@ class DeltaKVFetcher:
             self.agent.notify(peer.name, release_message(answer.room, answer.lease))
 
     def _auth_headers(self, boot: Bootstrap) -> dict[str, str]:
-        """PD token and API key headers, only for a ``--prefill-hosts`` worker (``RequestError`` otherwise, even if a
-        path skipped the intake's check)."""
+        """PD token and API key headers, for a ``--prefill-hosts`` worker only."""
         if not prefill_hosts(self.config.prefill_hosts).allowed_now(boot.host, boot.port):
             raise RequestError(f"bootstrap_host {boot.host!r} is not in --prefill-hosts: nothing sent to it")
         headers = {PD_TOKEN_HEADER: self.config.pd_token} if self.config.pd_token else {}
@@ -189,7 +185,7 @@ class DeltaKVFetcher:
         return headers
 
     async def _handshake(self, room: _Room, prompt: list[int]) -> tuple[Answer, Peer]:
-        """Ask prefill for the room (it answers once it holds the KV); loads prefill's agent the first time."""
+        """Ask prefill for the room; loads its agent the first time."""
         boot = room.boot
         peer_key = (boot.host, boot.port)
         body = {"room": boot.room, "prompt_len": len(prompt), "prompt_digest": prompt_digest(prompt),
@@ -227,7 +223,7 @@ class DeltaKVFetcher:
         return answer, await self._peer(peer_key, answer)
 
     async def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
-        """Prefill's agent, loaded once (a restarted prefill's new one replaces it), within the handshake timeout."""
+        """Prefill's agent, loaded once, within the handshake timeout."""
         peer = self.agent.peer(answer.pool.agent)
         if peer is not None:
             return peer
@@ -246,7 +242,7 @@ class DeltaKVFetcher:
         return peer
 
     def _drop_agent(self, name: str) -> None:
-        """Drop a replaced agent once its reads in flight end; later reads of it fail as peer_lost."""
+        """Drop a replaced agent once its reads end."""
         if self._reading[name]:
             self._replaced.add(name)
         else:

@@ -1,5 +1,4 @@
-"""Prefill side of PD: hold each finished prompt's KV by room until its decode peer reads it; release, expiry or an
-abandoned handshake frees it into our own radix cache."""
+"""Prefill side of PD: hold a prompt's KV by room until its decode peer is done with it."""
 from __future__ import annotations
 
 import asyncio
@@ -18,15 +17,13 @@ from decode_worker.transfer.agent import KVAgent
 if TYPE_CHECKING:
     from decode_worker.cache.pool import KVPool
     from decode_worker.config import ServerConfig
-    from decode_worker.scheduler.req import Req
-    from decode_worker.scheduler.scheduler import Scheduler
+    from decode_worker.scheduler.roles import HeldPrompt
 
 log = logging.getLogger(__name__)
 
 
 def check_pd_token(expected: str, given: str | None) -> None:
-    """Check the handshake's X-PD-Token header against our --pd-token in constant time (``RequestError``, 401). A
-    token on one side only is refused too, naming the side that lacks it."""
+    """Check X-PD-Token against --pd-token in constant time (401, also when one side lacks it)."""
     if not expected and not given:
         return
     if not expected:
@@ -45,20 +42,19 @@ RELEASE_POLL_S = 0.001
 
 @dataclass
 class _Lease:
-    req: Req
+    held: HeldPrompt
     expires: float
     room: int = 0
 
 
 @dataclass
 class KVHandoff:
-    """The prefill role's ``PromptDone``: a PD request's KV, held under a lease for its decode peer until released."""
+    """The prefill role's ``PromptDone``: KV held under a lease until released."""
 
     config: ServerConfig
     pool: KVPool
     agent: KVAgent
     metrics: Metrics
-    scheduler: Scheduler | None = None
     leases: dict[int, _Lease] = field(default_factory=dict)  # room -> held KV no handshake asked for yet
     handed: dict[int, _Lease] = field(default_factory=dict)  # lease id -> KV answered, until decode releases it
     abandoned: dict[int, float] = field(default_factory=dict)  # room -> until when: its decode peer gave up waiting
@@ -66,23 +62,23 @@ class KVHandoff:
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _watcher: asyncio.Task | None = None
 
-    def hold(self, req: Req) -> bool:
-        """After the first token: hold a PD request's KV for its decode peer."""
-        if req.inp.bootstrap is None:
+    def hold(self, held: HeldPrompt) -> bool:
+        """Hold a PD request's KV for its decode peer."""
+        if held.prompt.bootstrap is None:
             return False  # a plain request on a prefill worker is served to the end
-        room = req.inp.bootstrap.room
+        room = held.prompt.bootstrap.room
         if self.abandoned.pop(room, None) is not None:  # nobody will ask: answer the client, then free the KV
             log.info("decode peer of room %d gave up before prefill finished: its KV is freed now", room)
-            asyncio.get_running_loop().call_soon(self.scheduler.release_held, req)
+            asyncio.get_running_loop().call_soon(held.release)
             return True
         if (old := self.leases.get(room)) is not None:  # a router reusing a room: the newer request wins
-            self.scheduler.release_held(old.req)
-        self.leases[room] = _Lease(req, time.monotonic() + self.config.kv_lease_s, room)
+            old.held.release()
+        self.leases[room] = _Lease(held, time.monotonic() + self.config.kv_lease_s, room)
         self._arrived.setdefault(room, asyncio.Event()).set()
         return True
 
     def expire(self) -> None:
-        """Free held KV whose decode peer never came, and hand-offs whose release never came."""
+        """Free holds whose peer never came and hand-offs never released."""
         now = time.monotonic()
         for room, until in list(self.abandoned.items()):
             if until < now:
@@ -91,7 +87,7 @@ class KVHandoff:
             if lease.expires < now:
                 log.warning("KV lease of room %d expired without a handshake", room)
                 self._drop(room)
-                self.scheduler.release_held(lease.req)
+                lease.held.release()
         for lease_id, lease in list(self.handed.items()):
             if lease.expires < now:
                 log.warning("KV of room %d handed off but never released by its decode peer", lease.room)
@@ -103,41 +99,41 @@ class KVHandoff:
         return self.leases.pop(room, None)
 
     async def handshake(self, body: HandshakeBody) -> dict:
-        """Answer once we hold the room's KV; the caller has checked the PD token."""
+        """Answer once we hold the room's KV (PD token already checked)."""
         asked = time.monotonic()
         diff = self.pool.layout.differences(body.layout)
         if diff:
             raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
         try:
-            req = (await self._wait_for_room(body.room)).req
+            held = (await self._wait_for_room(body.room)).held
         except asyncio.CancelledError:
             self._abandon(body.room)
             raise
         try:
-            return self._answer(body, req, asked).to_json()
+            return self._answer(body, held, asked).to_json()
         except BaseException:  # a rejected hand-off frees the KV it held
-            self.scheduler.release_held(req)
+            held.release()
             raise
 
-    def _answer(self, body: HandshakeBody, req: Req, asked: float) -> Answer:
-        """Check the decode side's view of the prompt, then hand the prompt's pages off under a new lease id."""
-        prompt = req.seq.prompt_ids
+    def _answer(self, body: HandshakeBody, held: HeldPrompt, asked: float) -> Answer:
+        """Check decode's view of the prompt; hand its pages off under a new lease."""
+        prompt = held.prompt.prompt_ids
         if body.prompt_len != len(prompt) or body.prompt_digest != prompt_digest(prompt):
             raise RequestError(f"prompt mismatch for room {body.room}: decode has {body.prompt_len} tokens "
                                f"(digest {body.prompt_digest}), prefill has {len(prompt)} (digest "
                                f"{prompt_digest(prompt)})", 409, "digest_mismatch")
         lease_id, hold, now = next(self._lease_ids), self.config.kv_lease_s, time.monotonic()
-        self.handed[lease_id] = _Lease(req, now + hold, body.room)  # the hold runs from the instant waited_s ends
+        self.handed[lease_id] = _Lease(held, now + hold, body.room)  # the hold runs from the instant waited_s ends
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_releases())
         metadata = b"" if body.known_agent == self.agent.name else self.agent.metadata()
-        first = req.handoff
-        return Answer(body.room, lease_id, req.seq.pages[: -(-len(prompt) // self.pool.page_size)],
+        first = held.first
+        return Answer(body.room, lease_id, held.prompt_pages(),
                       first.token, first.logprob, self.agent.pool, metadata, hold, waited_s=now - asked,
                       top_logprobs=first.top, prompt_logprobs=first.prompt)
 
     async def _wait_for_room(self, room: int) -> _Lease:
-        """The decode side may ask before prefill has finished: wait for the room, up to the lease time."""
+        """Wait for the room's KV, up to the lease time."""
         event = self._arrived.setdefault(room, asyncio.Event())
         try:
             async with asyncio.timeout(self.config.kv_lease_s):
@@ -151,15 +147,14 @@ class KVHandoff:
         return lease
 
     def _abandon(self, room: int) -> None:
-        """The decode peer left before our answer: free the room's KV now or when it arrives, not at lease end."""
+        """The decode peer left: free the room's KV now or on arrival."""
         self._arrived.pop(room, None)
         if (lease := self.leases.pop(room, None)) is not None:
-            self.scheduler.release_held(lease.req)
+            lease.held.release()
         else:
             self.abandoned[room] = time.monotonic() + self.config.kv_lease_s
 
     async def _watch_releases(self) -> None:
-        """Free each hand-off as its release notification arrives; runs while any hand-off is out."""
         while self.handed:
             for message in self.agent.notifications():
                 if (release := parse_release(message)) is not None:
@@ -170,10 +165,10 @@ class KVHandoff:
         lease = self.handed.get(lease_id)
         if lease is not None and lease.room == room:  # a late or foreign notification frees nothing
             del self.handed[lease_id]
-            self.scheduler.release_held(lease.req)
+            lease.held.release()
 
     async def close(self) -> None:
-        """Give decode peers reading from us until the transfer deadline to finish, then unregister the pool."""
+        """Let peers finish reading (up to the transfer deadline), then unregister."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while self.handed and time.monotonic() < deadline and self._watcher is not None and not self._watcher.done():
             await asyncio.sleep(0.01)

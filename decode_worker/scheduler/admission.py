@@ -1,5 +1,4 @@
-"""Admission: from the queue to loading in FIFO order, retracted requests first; a request's prefix is locked
-and its delta allocated only once it fits (``try_alloc``)."""
+"""Admission: queue to LOADING or TRANSFERRING in FIFO order, retracted requests first."""
 from __future__ import annotations
 
 import asyncio
@@ -38,17 +37,17 @@ class Admission:
                           if has_storage(cache) else None)
 
     def look_ahead(self) -> None:
-        """Start the L3 lookups of the first queued requests, and what their role starts early (decode: the
-        handshake)."""
+        """Start the first queued requests' L3 lookups and handshakes."""
         if self.lookahead is not None:
             for req in self.lookahead.start(self.queues.prealloc):
                 self.queues.move(req, S.MATCHING)
         for req in self._peer_windows(self.queues.prealloc):
-            self.source.prepare(req, self.wakeup.set)
+            if self.receives(req):
+                self.source.prepare(req.peer, self.wakeup.set)
 
     def admit(self) -> None:
-        """Admit in queue order while batch slots and L1 pages allow. A request whose peer has not answered is passed
-        over (it would hold L1 pages while its peer stalls); the first other one that does not fit stops admission."""
+        """Admit in order while slots and L1 allow, passing over requests whose peer has not answered; the first other
+        one that does not fit stops admission."""
         while self.queues.admitted() < self.max_running:
             req = self._first_answered()
             if req is None or not self._settled(req) or not self.try_alloc(req):
@@ -57,12 +56,15 @@ class Admission:
     def _first_answered(self) -> Req | None:
         queue = self.queues.retracted or self.queues.prealloc
         return next((req for req in self._peer_windows(queue)
-                     if not self.source.receives(req) or self.source.answered(req)), None)
+                     if not self.receives(req) or self.source.answered(req.peer)), None)
+
+    def receives(self, req: Req) -> bool:
+        """True when ``req``'s prompt KV is received: fresh, and its role receives it."""
+        return not req.seq.output_ids and self.source.receives(req.peer)
 
     @staticmethod
     def _peer_windows(queue: Iterable[Req]) -> Iterator[Req]:
-        """The queued requests in order, each peer's first ``PEER_LOOKAHEAD`` only; the whole queue is walked
-        (--max-concurrent-requests bounds it)."""
+        """The queue in order, each peer's first ``PEER_LOOKAHEAD`` only."""
         seen: Counter[tuple[str, int | None]] = Counter()
         for req in queue:
             boot = req.inp.bootstrap
@@ -74,13 +76,13 @@ class Admission:
             yield req
 
     def forget(self, req: Req) -> None:
-        """A request leaving before admission: stop its prefetch and free the L2 pages it took."""
-        self.source.forget(req)
+        """A request leaving before admission: stop its handshake and prefetch."""
+        self.source.forget(req.peer)
         if self.lookahead is not None:
             self.lookahead.settle(req, insert=False)
 
     def _settled(self, req: Req) -> bool:
-        """True once ``req`` is done with L3 (it is MATCHING until then)."""
+        """True once ``req`` is done with L3."""
         if self.lookahead is None:
             return True
         settled = self.lookahead.settled(req)
@@ -91,19 +93,17 @@ class Admission:
         return settled
 
     def match_key(self, req: Req) -> bytes:
-        """The tokens whose cached KV the request can use, packed; a request computed here must extend at least
-        its last token, for its logits."""
+        """The tokens whose cached KV ``req`` may use (a computed prompt recomputes its last token)."""
         seq = req.seq
-        if self.source.receives(req):
+        if self.receives(req):
             return seq.key(len(seq.prompt_ids))
         scored_from = computed_before(req)  # a prompt scored here needs its logits from there on
         return seq.key(seq.num_tokens - 1 if scored_from is None else min(seq.num_tokens - 1, scored_from))
 
     def try_alloc(self, req: Req) -> bool:
-        """Match, check the budget, lock and allocate; False, taking nothing, when it does not fit now. Then
-        the request is LOADING, or TRANSFERRING with its receive started."""
+        """Lock the match and allocate the delta if it fits; False, taking nothing, if not."""
         seq, ps = req.seq, self.page_size
-        receives = self.source.receives(req)
+        receives = self.receives(req)
         match = self.cache.match(self.match_key(req))
         kv_tokens = len(seq.prompt_ids) if receives else seq.num_tokens
         delta = -(-kv_tokens // ps) - match.hit_tokens // ps
@@ -122,15 +122,15 @@ class Admission:
         if not req.seq.output_ids and req.retries == 0:  # its first admission, not a resumption or a retry
             self.metrics.queue_time.observe(req.transfer.since - req.stream.created_at)
         if receives:
-            task = asyncio.get_running_loop().create_task(self.source.receive(req, req.handle.delta_pages))
+            req.transfer.receive = pending = req.pending_receive()
+            task = asyncio.get_running_loop().create_task(self.source.receive(pending))
             task.add_done_callback(lambda _: self.wakeup.set())
             req.transfer.task = task
         self.queues.move(req, S.TRANSFERRING if receives else S.LOADING)
         return True
 
     def _count_hits(self, req: Req) -> None:
-        """Cached pages found per tier: on L1, restored from L2, and the part of that its L3 prefetch
-        brought."""
+        """Cached tokens found per tier at first admission."""
         h, ps = req.handle, self.page_size
         span = req.fetch.span if req.fetch is not None else range(0)
         restored_from = req.prefix_pages - h.restored_tokens // ps  # restored pages end the prefix

@@ -1,14 +1,13 @@
-"""One request in the scheduler: its state, its pages, what it waits for. The handle locks the matched prefix
-(the first ``prefix_pages`` of ``seq.pages``, the tree's); the request owns the rest; every exit goes through
-``release``.
-"""
+"""One request's whole state in one record: tokens and pages, lifecycle state, L3 fetch, KV transfer."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from decode_worker.cache.pool import NO_PAGES
 from decode_worker.cache.hicache import LoadHandle
 from decode_worker.cache.prefix_cache import PrefixCache
 from decode_worker.cache.storage.tier import Prefetch
@@ -16,12 +15,12 @@ from decode_worker.core.lifecycle import CacheHits, ReqState
 from decode_worker.core.request import GenerateInput, Prefilled, RequestError, RequestStream
 from decode_worker.core.sequence import Sequence
 from decode_worker.scheduler.grammar import RowGrammar
+from decode_worker.scheduler.roles import HeldPrompt, PeerPrompt, PendingReceive
 
 
 @dataclass(eq=False)
 class StorageFetch:
-    """One queued request's L3 lookup and prefetch; owns ``host_pages`` until settled, when ``span``
-    names the prompt pages it put into the tree."""
+    """A queued request's L3 lookup and prefetch; owns ``host_pages`` until settled."""
 
     key: bytes  # the tokens the request matches with, packed (``Sequence.key``)
     from_page: int  # page of ``key`` that keys[0] names (the end of the L1 + L2 hit at lookup time)
@@ -36,14 +35,14 @@ class StorageFetch:
 
 @dataclass(eq=False)
 class KVTransfer:
-    """What an admitted request waits for since ``since``: its load-back and, on a receiving role, the task
-    receiving its prompt's KV."""
+    """An admitted request's load-back and, on a receiving role, its receive."""
 
     since: float  # admission; the load-back deadline counts from here
     task: asyncio.Task[Prefilled | tuple[int, float]] | None = None  # returns prefill's first token and its logprob
+    receive: PendingReceive | None = None  # what the task was asked to fill
 
     def in_flight(self) -> bool:
-        """The receive may still write into the request's pages: nothing may free them yet."""
+        """The receive may still write into the request's pages."""
         return self.task is not None and not self.task.done()
 
 
@@ -63,8 +62,13 @@ class Req:
     last_token_at: float = 0.0  # monotonic time of its last output token (inter-token latency)
     own_since: float | None = None  # PD decode: prefill's answer arrived, plus the KV read's time (decode_own_seconds)
     retries: int = 0  # failed load-backs so far
-    handoff: Prefilled | None = None  # prefill role: the first token and logprobs the handshake's answer carries
     grammar: RowGrammar | None = None  # constrained decoding: where its output stands in its grammar (grammar.py)
+    peer: PeerPrompt = field(init=False)  # what its role sees of it
+
+    def __post_init__(self) -> None:
+        inp = self.inp
+        self.peer = PeerPrompt(inp.rid, inp.bootstrap, self.seq.prompt_ids, inp.logprob_start,
+                               inp.params.top_logprobs)
 
     @property
     def rid(self) -> str:
@@ -74,13 +78,25 @@ class Req:
     def cached_tokens(self) -> dict[str, int]:
         return self.hits.as_dict() if self.hits is not None else {}
 
+    def pending_receive(self) -> PendingReceive:
+        """What its role's receive fills: the delta pages past the locked prefix."""
+        return PendingReceive(self.peer, self.prefix_pages, self.handle.delta_pages, self._keep_delta_out_of_use)
+
+    def _keep_delta_out_of_use(self) -> None:
+        """Never free the delta pages: a read into them could not be stopped."""
+        self.handle.delta_pages = NO_PAGES
+
+    def held(self, first: Prefilled, release: Callable[[Req], None], page_size: int) -> HeldPrompt:
+        """What the prefill role holds for the peer; ``release`` ends the hold."""
+        prompt_pages = -(-len(self.seq.prompt_ids) // page_size)
+        return HeldPrompt(self.peer, first, lambda: self.seq.pages[:prompt_pages], lambda: release(self))
+
     def take_pages(self) -> None:
-        """The load-back landed: the prefix pages and the delta pages become the sequence's pages."""
+        """The KV landed: prefix and delta pages become the sequence's."""
         self.seq.pages = self.handle.take_pages().tolist()
 
     def cache_computed(self, cache: PrefixCache, page_size: int) -> None:
-        """Put newly full computed pages into the tree now, not at finish, so concurrent requests with the
-        same prefix hit them."""
+        """Put newly full computed pages into the tree now, for concurrent requests."""
         seq = self.seq
         if seq.num_computed // page_size <= self.prefix_pages:
             return
@@ -89,8 +105,7 @@ class Req:
         self.prefix_pages, seq.pages = len(self.handle.device_indices), pages.tolist()
 
     def release(self, cache: PrefixCache, page_size: int, *, insert: bool = True, backup: bool = False) -> None:
-        """Give back everything the request holds; its full computed pages go into the tree (``insert``), backed
-        up to L2 now with ``backup`` (a retraction)."""
+        """Give back everything held; full computed pages go into the tree (``insert``)."""
         if self.handle is None:
             return
         seq = self.seq

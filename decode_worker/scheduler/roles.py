@@ -1,68 +1,94 @@
-"""What a worker's role changes in the scheduler: where a fresh prompt's KV comes from and what happens at a
-computed prompt's first token. The PD halves live in ``pd/``, which imports this, never the reverse."""
+"""What a worker's role changes in the scheduler, and the views of a request it gets."""
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from decode_worker.scheduler.req import Req
+from decode_worker.core.request import Bootstrap, Prefilled
+
+
+@dataclass(frozen=True, eq=False)
+class PeerPrompt:
+    """A request as its role sees it."""
+
+    rid: str
+    bootstrap: Bootstrap | None
+    prompt_ids: list[int]  # the request's own list: read, never change
+    logprob_start: int | None
+    top_logprobs: int
+
+
+@dataclass(eq=False)
+class PendingReceive:
+    """An admitted request's receive: fill ``pages`` with the prompt's KV past ``prefix_pages``."""
+
+    prompt: PeerPrompt
+    prefix_pages: int  # pages the cache already had: the read starts after them
+    pages: np.ndarray  # the request's own delta pages
+    keep_pages_out_of_use: Callable[[], None]  # a read that could not be stopped: ``pages`` are never freed
+    own_since: float | None = None  # set on success: when decode's own share of the first token's latency began
+
+
+@dataclass(frozen=True, eq=False)
+class HeldPrompt:
+    """A computed prompt whose KV the prefill role holds for its decode peer."""
+
+    prompt: PeerPrompt
+    first: Prefilled  # what prefill's answer carries besides the pages
+    prompt_pages: Callable[[], list[int]]  # the pages holding the prompt's KV now (none once released)
+    release: Callable[[], None]  # ends the hold; a second call does nothing
 
 
 class PromptSource(Protocol):
-    def receives(self, req: Req) -> bool:
-        """True when ``req``'s prompt KV is received rather than computed here; it then matches its whole prompt
-        and goes from TRANSFERRING to RUNNING."""
+    def receives(self, prompt: PeerPrompt) -> bool:
+        """True when this fresh prompt's KV is received rather than computed here."""
         ...
 
-    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
-        """Start what can go ahead while ``req`` is queued (decode: the handshake) and call ``wakeup`` when it
-        settles; called every step for the first queued requests."""
+    def prepare(self, prompt: PeerPrompt, wakeup: Callable[[], None]) -> None:
+        """Start the early work of a queued receiving request; call ``wakeup`` when it settles."""
         ...
 
-    def answered(self, req: Req) -> bool:
-        """True once ``req`` could start (decode: prefill answered or the handshake failed); admission passes
-        over it until then."""
+    def answered(self, prompt: PeerPrompt) -> bool:
+        """True once the request could start."""
         ...
 
-    def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:
-        """Receive the KV of prompt tokens [prefix, prompt_len) into ``delta_pages``; return prefill's first token
-        and logprobs, or raise ``RequestError``. Called once per request that ``receives``."""
+    def receive(self, pending: PendingReceive) -> Coroutine[Any, Any, Prefilled | tuple[int, float]]:
+        """Fill ``pending.pages``; return prefill's first token, or raise ``RequestError``."""
         ...
 
-    def forget(self, req: Req) -> None:
-        """``req`` leaves before admission: stop what ``prepare`` started."""
+    def forget(self, prompt: PeerPrompt) -> None:
+        """The request left before admission: stop what ``prepare`` started."""
         ...
 
 
 class PromptDone(Protocol):
-    def hold(self, req: Req) -> bool:
-        """At ``req``'s first token from an extend: True to hold its KV for a decode peer (the client is answered,
-        the pages kept until ``release_held``), False to decode on."""
+    def hold(self, held: HeldPrompt) -> bool:
+        """True to hold this computed prompt's KV for a decode peer."""
         ...
 
 
 class Colocated:
     """The colocated role, and the local half of each PD role."""
 
-    def receives(self, req: Req) -> bool:
+    def receives(self, prompt: PeerPrompt) -> bool:
         return False
 
-    def prepare(self, req: Req, wakeup: Callable[[], None]) -> None:
+    def prepare(self, prompt: PeerPrompt, wakeup: Callable[[], None]) -> None:
         pass
 
-    def answered(self, req: Req) -> bool:
+    def answered(self, prompt: PeerPrompt) -> bool:
         return True  # nothing to wait for: a best_effort prefetch stops at admission
 
-    def forget(self, req: Req) -> None:
+    def forget(self, prompt: PeerPrompt) -> None:
         pass
 
-    def receive(self, req: Req, delta_pages: np.ndarray) -> Coroutine[Any, Any, tuple[int, float]]:
+    def receive(self, pending: PendingReceive) -> Coroutine[Any, Any, tuple[int, float]]:
         raise TypeError("a colocated scheduler receives no prompt KV (receives() is always False)")
 
-    def hold(self, req: Req) -> bool:
+    def hold(self, held: HeldPrompt) -> bool:
         return False
 
 

@@ -1,7 +1,4 @@
-"""The continuous-batching scheduler, one for every role: ``schedule()`` yields batches, the forward thread runs
-each, ``postprocess()`` applies it. Long because the loading section still lives here, beside the request
-record it reads (``req.py``).
-"""
+"""The continuous-batching scheduler for every role: ``schedule()``, forward, ``postprocess()``."""
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +25,11 @@ from decode_worker.model.sampler import SampleResult, make_generator
 from decode_worker.scheduler.admission import Admission
 from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend_batch
 from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar, fill_mask
+from decode_worker.scheduler.loading import Loading
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
 from decode_worker.scheduler.roles import COLOCATED, PromptDone, PromptSource
-from decode_worker.scheduler.telemetry import log_failure, record_close, record_loaded, record_token
+from decode_worker.scheduler.telemetry import log_failure, record_close, record_token
 
 log = logging.getLogger(__name__)
 S = ReqState
@@ -48,7 +46,6 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.decode_text = decode_text
         self.max_prefill_tokens = max_prefill_tokens
-        self.load_back_timeout_s = load_back_timeout_s
         self.done = done  # what happens when a prompt computed here has its first token
         self.page_size = runner.page_size
         self.queues = Queues()
@@ -56,6 +53,8 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self.admission = Admission(cache, self.queues, source, metrics, self._wakeup, page_size=self.page_size,
                                    max_running=max_running)  # ``source``: where a fresh prompt's KV comes from
+        self.loading = Loading(cache, self.queues, metrics, page_size=self.page_size,
+                               load_back_timeout_s=load_back_timeout_s)
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -73,7 +72,7 @@ class Scheduler:
             raise RequestError(str(e)) from e
 
     def submit(self, inp: GenerateInput, grammar: CompiledGrammar | None = None) -> RequestStream:
-        """Queue ``inp``; a request with a grammar comes with it compiled (``GrammarCompiler``)."""
+        """Queue ``inp``, its grammar (if any) already compiled."""
         if self.stopping:
             raise RequestError("server is shutting down", 503, "unavailable")
         if inp.rid in self.requests or inp.rid in self.queues.held:
@@ -83,7 +82,8 @@ class Scheduler:
             raise RequestError(f"{inp.params.grammar_name}: the grammar was not compiled for this request", 500,
                                "internal_error")
         stream = RequestStream(inp.rid)
-        seq = Sequence(inp.rid, list(inp.prompt_ids), inp.params, generator=make_generator(inp.params.seed, self.runner.device))
+        generator = make_generator(inp.params.seed, self.runner.device)
+        seq = Sequence(inp.rid, list(inp.prompt_ids), inp.params, generator=generator)
         req = Req(inp, stream, seq, grammar=grammar and RowGrammar(grammar, inp.params.grammar_name))
         self.requests[inp.rid] = req
         self.queues.add(req)
@@ -92,7 +92,7 @@ class Scheduler:
         return stream
 
     def abort(self, rid: str, reason: RequestError | None = None) -> None:
-        """Abort a live request (client gone, deadline, shutdown); cleaned up at the next safe point."""
+        """End a live request at the next safe point."""
         req = self.requests.get(rid)
         if req is not None and req.aborted is None:
             req.aborted = reason or RequestError("request aborted", 499, "aborted")
@@ -101,7 +101,7 @@ class Scheduler:
             self._wakeup.set()
 
     def release_held(self, req: Req) -> None:
-        """Prefill role: the decode peer is done (or never came): cache the prompt's pages, free the rest."""
+        """Prefill role: end a held request's hold; cache its prompt's pages."""
         if req.state is S.HELD:
             self.queues.move(req, S.FINISHED)
             req.release(self.cache, self.page_size)
@@ -115,7 +115,7 @@ class Scheduler:
         return self._task is not None and not self._task.done()
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, let running requests finish for up to ``grace_s``, abort the rest."""
+        """Stop admitting; abort what has not finished within ``grace_s``."""
         self.stopping = True
         deadline = time.monotonic() + grace_s
         while self.requests and time.monotonic() < deadline:
@@ -161,7 +161,7 @@ class Scheduler:
             pass
 
     async def _step(self) -> bool:
-        """One step, its forwards on the forward thread; True when it ran a batch."""
+        """One step; True when it ran a batch."""
         loop, worked = asyncio.get_running_loop(), False
         for batch in self.schedule():
             self.postprocess(batch, await loop.run_in_executor(self._forward_thread, self._forward, batch))
@@ -169,7 +169,6 @@ class Scheduler:
         return worked
 
     def _forward(self, batch: Batch) -> SampleResult:
-        """Forward and sample ``batch``, waiting for the device here."""
         reqs, started = batch.reqs, time.monotonic()
         params, generators = [r.seq.params for r in reqs], [r.seq.generator for r in reqs]
         mask = fill_mask([r.grammar for r in reqs], self.runner.config.vocab_size)
@@ -181,8 +180,7 @@ class Scheduler:
         return result
 
     def step_sync(self) -> bool:
-        """One step without an event loop (the offline ``LLM``, colocated only); a failing step fails the live
-        requests and raises."""
+        """One step without an event loop (offline ``LLM``); a failing step fails all, raising."""
         worked = False
         try:
             for batch in self.schedule():
@@ -195,8 +193,7 @@ class Scheduler:
         return worked
 
     def schedule(self) -> Iterator[Batch]:
-        """The step's batches after housekeeping: extend, then decode, each picked once the one before was
-        post-processed, so a request just extended decodes in the same step and new prompts never starve decode."""
+        """The step's batches: extend, then decode, each picked after the one before was applied."""
         self._housekeep()
         if self.queues.extend:
             yield self._extend_batch()
@@ -204,8 +201,7 @@ class Scheduler:
             yield batch
 
     def postprocess(self, batch: Batch, result: SampleResult) -> None:
-        """Apply a batch's sampled tokens (an extend's full pages join the tree at once); a request aborted
-        during its forward is torn down at the next step."""
+        """Apply a batch's sampled tokens; a request aborted meanwhile ends at the next step."""
         extend = batch.kind is BatchKind.EXTEND
         for req in batch.reqs:
             req.seq.num_computed = req.seq.num_tokens
@@ -216,9 +212,9 @@ class Scheduler:
                                                     result.top_logprobs, prompts):
             if req.aborted is not None:
                 continue
-            if extend and self.done.hold(req):  # even when finished: its decode peer still needs the KV
-                req.handoff = Prefilled(token, logprob, top or [], prompt)  # for the decode peer, with the KV
-                self._emit(req, token, logprob, top)
+            if extend and self.done.hold(req.held(Prefilled(token, logprob, top or [], prompt), self.release_held,
+                                                  self.page_size)):
+                self._emit(req, token, logprob, top)  # even when finished: its decode peer still needs the KV
                 self._hold(req)
             elif extend and req.seq.params.max_new_tokens == 0:
                 self._scored_only(req, prompt)
@@ -234,10 +230,14 @@ class Scheduler:
         self.cache.poll()
         self.admission.look_ahead()
         self.admission.admit()
-        self._check_loading()
+        for req, outcome in self.loading.poll():
+            if isinstance(outcome, RequestError):
+                self._fail(req, outcome)
+            else:
+                self._first_token(req, outcome)
 
     def _extend_batch(self) -> Batch:
-        """The head of the extend queue within ``max_prefill_tokens`` (at least one request)."""
+        """The extend queue's head within ``max_prefill_tokens``."""
         reqs, budget = [], self.max_prefill_tokens
         for req in self.queues.extend:
             new = req.seq.num_tokens - req.seq.num_computed
@@ -248,15 +248,14 @@ class Scheduler:
         return extend_batch(self.runner, reqs, self.eos_token_ids)
 
     def _decode_batch(self) -> Batch | None:
-        """The running requests that got their next page; None when none did."""
+        """The running requests that got their next page."""
         ready = {req for req in sorted(self.queues.running, key=lambda r: -len(r.seq.output_ids))
                  if req.state is S.RUNNING and self._grow(req)}  # most progress first; _grow may retract others
         reqs = [r for r in self.queues.running if r in ready]
         return decode_batch(self.runner, reqs, self.eos_token_ids) if reqs else None
 
     def _grow(self, req: Req) -> bool:
-        """Give ``req`` the page its next token needs, retracting the least advanced request when L1 is full;
-        False when ``req`` sits this step out."""
+        """Give ``req`` its next page, retracting the least advanced request if need be; False: it sits out."""
         seq = req.seq
         while len(seq.pages) < seq.pages_needed(self.page_size):
             try:
@@ -273,7 +272,7 @@ class Scheduler:
         return True
 
     def _retract(self, req: Req) -> None:
-        """Free a running request's L1 pages (backed up to L2 where possible) and queue it to resume."""
+        """Free a running request's L1 pages (backed up to L2); it resumes later."""
         self.queues.move(req, S.RETRACTED)
         self.runner.rows.release(req.rid)
         req.release(self.cache, self.page_size, backup=True)
@@ -294,88 +293,27 @@ class Scheduler:
                                                prompt_logprobs=prompt))
 
     def _scored_only(self, req: Req, prompt: PromptLogprobs | None) -> None:
-        """``max_new_tokens`` 0: answer with the prompt's logprobs, generate nothing."""
+        """``max_new_tokens`` 0: answer with the prompt's logprobs only."""
         req.seq.finish_reason = {"type": "length", "length": 0}
         req.stream.queue.put_nowait(TokenEvent([], [], finish_reason=req.seq.finish_reason,
                                                cached_tokens=req.cached_tokens, prompt_logprobs=prompt))
         self._finish(req)
 
-    # ---- loading ----------------------------------------------------------------------------------------------
-
-    def _check_loading(self) -> None:
-        """Move on the admitted requests whose KV landed; fail a load-back past its deadline, match again
-        after a failed one."""
-        now = time.monotonic()
-        for req in list(self.queues.loading):
-            if req.transfer.in_flight():
-                continue
-            if not req.handle.ready():
-                if now - req.transfer.since > self.load_back_timeout_s:
-                    self._fail(req, RequestError("L2->L1 load-back missed its deadline", 504, "timeout"))
-                continue
-            if not all(op.ok for op in req.handle.waits):
-                self._retry_after_failed_load(req)
-                continue
-            record_loaded(self.metrics, req)
-            if req.state is S.TRANSFERRING:
-                self._received(req)
-            else:
-                req.take_pages()
-                req.transfer, req.seq.num_computed = None, req.prefix_pages * self.page_size
-                self.queues.move(req, S.EXTENDING)
-
-    def _received(self, req: Req) -> None:
-        """Prefill's KV and first token arrived: cache the pages, emit the token."""
-        first = self._transfer_result(req)
-        if first is None:
-            return
-        seq = req.seq
-        req.take_pages()
-        req.transfer, seq.num_computed = None, len(seq.prompt_ids)
-        req.cache_computed(self.cache, self.page_size)
-        first = Prefilled(*first)
-        if seq.params.max_new_tokens == 0:
+    def _first_token(self, req: Req, first: Prefilled) -> None:
+        """Emit a received prompt's first token, then decode on or finish."""
+        if req.seq.params.max_new_tokens == 0:
             self._scored_only(req, first.prompt)
             return
         self._emit(req, first.token, first.logprob, first.top, first.prompt)
-        if seq.finished:
+        if req.seq.finished:
             self._finish(req)
         else:
             self.queues.move(req, S.RUNNING)
 
-    def _transfer_result(self, req: Req) -> Prefilled | tuple[int, float] | None:
-        """Prefill's first token and what came with it; None, having failed the request, when the transfer
-        failed or it was aborted."""
-        task = req.transfer.task
-        if task.cancelled():
-            self._fail(req, req.aborted or RequestError("KV transfer cancelled", 499, "aborted"))
-        elif (err := task.exception()) is not None:
-            self._fail(req, err if isinstance(err, RequestError)
-                       else RequestError(f"KV transfer failed: {err}", 502, "transfer_error"))
-        elif req.aborted is not None:  # aborted once the transfer could no longer be cancelled
-            self._fail(req, req.aborted)
-        else:
-            return task.result()
-        return None
-
-    def _retry_after_failed_load(self, req: Req) -> None:
-        """After a failed load-back, match again (twice at most); a received prompt fails at once,
-        its room already handed off."""
-        if req.state is S.TRANSFERRING:
-            self._fail(req, RequestError("restoring the cached prefix from L2 failed", 503, "unavailable"))
-            return
-        self.cache.release(req.handle)
-        req.handle, req.transfer = None, None
-        req.retries += 1
-        if req.retries > 2:
-            self._fail(req, RequestError("restoring the cached prefix from L2 failed repeatedly", 503, "unavailable"))
-        else:
-            self.queues.move(req, S.QUEUED, front=True)
-
     # ---- exits ------------------------------------------------------------------------------------------------
 
     def _hold(self, req: Req) -> None:
-        """Prefill role: answer the client now; the pages stay locked until ``release_held``."""
+        """Prefill role: answer the client; the pages stay locked until ``release_held``."""
         self.queues.move(req, S.HELD)
         req.stream.queue.put_nowait(TokenEvent([], [], finish_reason={"type": "length", "length": 1}))
         self._close(req, "ok")
@@ -386,7 +324,7 @@ class Scheduler:
         self._close(req, "ok")
 
     def _fail_all(self, error: RequestError) -> None:
-        """Fail every live request; one whose cleanup fails is still answered, so no client waits forever."""
+        """Fail every live request; each is answered even if its cleanup fails."""
         for req in list(self.requests.values()):
             try:
                 self._fail(req, error)
@@ -397,8 +335,7 @@ class Scheduler:
                 self._close(req, "error")
 
     def _fail(self, req: Req, error: RequestError) -> None:
-        """End ``req`` with ``error`` and free what it holds; a KV transfer in flight may still write its pages, so it
-        is cancelled and the request fails once it ended."""
+        """End ``req`` with ``error``, freeing what it holds, once no receive can still write its pages."""
         if req.transfer is not None and req.transfer.in_flight():
             req.aborted = req.aborted or error
             req.transfer.task.cancel()

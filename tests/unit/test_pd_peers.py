@@ -71,8 +71,8 @@ def test_replacing_a_peer_waits_for_its_reads_in_flight():
         old = await fetcher._peer(key, answer("prefill-old"))
         room = SimpleNamespace(asked=asyncio.get_running_loop().time(), boot=SimpleNamespace(host="h", port=9),
                                released=False)
-        req = SimpleNamespace(rid="r", seq=SimpleNamespace(prompt_ids=[1] * 20), prefix_pages=0)
-        reading = asyncio.ensure_future(fetcher._read(req, room, answer("prefill-old"), old, [7, 8]))
+        pending = SimpleNamespace(prompt=SimpleNamespace(rid="r", prompt_ids=[1] * 20), prefix_pages=0)
+        reading = asyncio.ensure_future(fetcher._read(pending, room, answer("prefill-old"), old, [7, 8]))
         await asyncio.sleep(0.01)
         new = await fetcher._peer(key, answer("prefill-new"))
         assert new.name == "prefill-new" and agent.dropped == []  # the old agent's read is still in flight
@@ -100,8 +100,7 @@ def test_lease_expiry_survives_a_failing_pass(monkeypatch):
     real_sleep = asyncio.sleep
     monkeypatch.setattr(engine_module.asyncio, "sleep", lambda s, *a: real_sleep(min(s, 0.005), *a))
     released = []
-    handoff = KVHandoff(SimpleNamespace(kv_lease_s=0.02), None, None, Metrics(),
-                        scheduler=SimpleNamespace(release_held=released.append))
+    handoff = KVHandoff(SimpleNamespace(kv_lease_s=0.02), None, None, Metrics())
     expire, failed = handoff.expire, []
 
     def flaky() -> None:
@@ -116,8 +115,9 @@ def test_lease_expiry_survives_a_failing_pass(monkeypatch):
         try:
             await real_sleep(0.05)
             assert failed and not task.done()
-            req = SimpleNamespace(inp=SimpleNamespace(bootstrap=SimpleNamespace(room=5)))
-            handoff.hold(req)
+            held = SimpleNamespace(prompt=SimpleNamespace(bootstrap=SimpleNamespace(room=5)))
+            held.release = lambda: released.append(held)
+            handoff.hold(held)
             for _ in range(200):
                 if released:
                     break

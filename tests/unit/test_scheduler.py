@@ -6,6 +6,7 @@ import random
 from collections.abc import Awaitable, Callable
 
 import pytest
+import numpy as np
 import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
@@ -20,26 +21,26 @@ from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.batch import Batch, BatchKind
 from decode_worker.scheduler.req import Req
-from decode_worker.scheduler.roles import Colocated
+from decode_worker.scheduler.roles import Colocated, PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
-KVSource = Callable[[Req, torch.Tensor], Awaitable[tuple[int, float]]]
+KVSource = Callable[[PendingReceive, np.ndarray], Awaitable[tuple[int, float]]]
 
 
 class PeerKV(Colocated):
-    """A decode role's prompt source around a test's ``kv_source(req, pages)``: fresh prompts arrive from it."""
+    """A decode role's prompt source around a test's ``kv_source(pending, pages)``: fresh prompts arrive from it."""
 
     def __init__(self, kv_source: KVSource):
         self.kv_source = kv_source
 
-    def receives(self, req: Req) -> bool:
-        return not req.seq.output_ids
+    def receives(self, prompt: PeerPrompt) -> bool:
+        return True
 
-    def receive(self, req: Req, delta_pages: torch.Tensor):
-        return self.kv_source(req, delta_pages)
+    def receive(self, pending: PendingReceive):
+        return self.kv_source(pending, pending.pages)
 
 
 def make_scheduler(path, max_total_tokens: int, host_ratio: float = 0.0, write_policy: str = "write_through", *,
@@ -266,15 +267,15 @@ def test_never_fitting_request_is_rejected_at_once(tiny_models):
 class R0NotAnswered(PeerKV):
     """Prefill has answered every request but r0 (its peer stalls)."""
 
-    def answered(self, req: Req) -> bool:
-        return req.rid != "r0"
+    def answered(self, prompt: PeerPrompt) -> bool:
+        return prompt.rid != "r0"
 
 
 def test_a_request_whose_peer_has_not_answered_holds_no_pages_and_no_one_up(tiny_models, prompts):
     """r0's prefill never answers; r1's has. r1 is admitted and served while r0 waits in the queue without L1
     pages, rather than r0 taking pages (and, on a small L1, the queue's turn) until its handshake times out."""
-    async def kv_source(req: Req, pages) -> tuple[int, float]:
-        assert req.rid != "r0", "r0 was admitted before its peer answered"
+    async def kv_source(pending: PendingReceive, pages) -> tuple[int, float]:
+        assert pending.prompt.rid != "r0", "r0 was admitted before its peer answered"
         return 7, 0.0
 
     async def scenario():

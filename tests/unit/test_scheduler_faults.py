@@ -22,6 +22,7 @@ from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.admission import PEER_LOOKAHEAD
+from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.transfer.deadline import run_to_the_end
 from tests.unit.test_scheduler import GREEDY, PeerKV, collect, make_scheduler, run_all, settle
@@ -175,16 +176,16 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
         return 0, 0.0
 
     scheduler = make(tiny_models["llama"], 160, host_ratio=0, kv_source=kv_source)
-    check_loading, broken = scheduler._check_loading, []
+    poll, broken = scheduler.loading.poll, []
 
-    def failing_once() -> None:
+    def failing_once():
         live = [r for r in scheduler.queues.loading if r.transfer is not None and r.transfer.in_flight()]
         if live and started.is_set() and not broken:
             broken.append(True)
             raise RuntimeError("injected scheduler bug")
-        check_loading()
+        return poll()
 
-    scheduler._check_loading = failing_once
+    scheduler.loading.poll = failing_once
 
     async def scenario():
         scheduler.start()
@@ -213,20 +214,20 @@ class StalledPeer(PeerKV):
         super().__init__(kv_source)
         self.prepared: set[str] = set()
 
-    def prepare(self, req: Req, wakeup) -> None:
-        if req.rid not in self.prepared:
-            self.prepared.add(req.rid)
+    def prepare(self, prompt: PeerPrompt, wakeup) -> None:
+        if prompt.rid not in self.prepared:
+            self.prepared.add(prompt.rid)
             asyncio.get_running_loop().call_soon(wakeup)
 
-    def answered(self, req: Req) -> bool:
-        return req.rid in self.prepared and req.inp.bootstrap.port != self.STALLED
+    def answered(self, prompt: PeerPrompt) -> bool:
+        return prompt.rid in self.prepared and prompt.bootstrap.port != self.STALLED
 
 
 def test_a_stalled_peer_at_the_head_of_the_queue_does_not_hold_up_another_peer(tiny_models, prompts):
     """Issue 26: 40 requests for a prefill that never answers fill the queue's head; a request for a healthy
     prefill behind them starts its handshake and is served (the look-ahead was one global window of 32, which the
     stalled peer's requests filled, so it never started). Each peer still gets at most ``PEER_LOOKAHEAD``."""
-    async def kv_source(req: Req, pages) -> tuple[int, float]:
+    async def kv_source(pending: PendingReceive, pages) -> tuple[int, float]:
         return 7, 0.0
 
     async def scenario():

@@ -50,6 +50,7 @@ from decode_worker.scheduler.admission import PEER_LOOKAHEAD, Admission
 from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import KVTransfer, Req
+from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
 from tests.unit.test_scheduler import PeerKV, settle
@@ -91,25 +92,27 @@ class ScriptedPeer(PeerKV):
         self.forgotten: set[str] = set()  # requests the scheduler told to stop their handshake
         self.stray_writes: list[str] = []  # reads that ended after their pages were no longer the request's
         self.prepared: set[str] = set()  # requests whose handshake admission started (``prepare``)
+        self.reqs: dict[str, Req] = {}  # the machine's requests, by id
 
     def owns(self, req: Req, pages) -> bool:
         return req.handle is not None and set(pages.tolist()) <= set(req.handle.delta_pages.tolist())
 
-    def receives(self, req: Req) -> bool:
-        return req.rid in self.peers and not req.seq.output_ids
+    def receives(self, prompt: PeerPrompt) -> bool:
+        return prompt.rid in self.peers
 
-    def prepare(self, req: Req, wakeup) -> None:
-        if req.rid in self.peers:
-            self.prepared.add(req.rid)
+    def prepare(self, prompt: PeerPrompt, wakeup) -> None:
+        if prompt.rid in self.peers:
+            self.prepared.add(prompt.rid)
 
-    def answered(self, req: Req) -> bool:
+    def answered(self, prompt: PeerPrompt) -> bool:
         """A handshake answers only once it was started, as ``DeltaKVFetcher``'s does."""
-        return req.rid in self.prepared and self.peers.get(req.rid) != "pending"
+        return prompt.rid in self.prepared and self.peers.get(prompt.rid) != "pending"
 
-    def forget(self, req: Req) -> None:
-        self.forgotten.add(req.rid)
+    def forget(self, prompt: PeerPrompt) -> None:
+        self.forgotten.add(prompt.rid)
 
-    async def _read(self, req: Req, pages) -> tuple[int, float]:
+    async def _read(self, pending: PendingReceive, pages) -> tuple[int, float]:
+        req = self.reqs[pending.prompt.rid]  # the scheduler's record, to check the read's pages are still its own
         self.received.add(req.rid)
         # A request failed for another reason (an abort, a failed step) after its read failed never looks at the
         # read's error; retrieve it here so asyncio does not log it as lost when the task is collected.
@@ -253,6 +256,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["write_through", "write_back"]), max_running=st.integers(2, 8))
     def start(self, l1: int, host: float, policy: str, max_running: int) -> None:
         self.sched = build(self.model, l1, host, policy, max_running)
+        self.peer.reqs = self.reqs
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=TAILS, max_new=st.integers(1, 16),
           mode=st.sampled_from(["colocated", "answered", "answered", "pending"]), port=st.sampled_from(PEERS))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from decode_worker.cache.handles import NO_PAGES
+from decode_worker.core.request import GenerateInput, RequestStream
+from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sequence import Sequence
 from decode_worker.pd.decode import DeltaKVFetcher
+from decode_worker.scheduler.req import Req
 from decode_worker.transfer import agent as agent_module
 from decode_worker.transfer.agent import KVAgent, TransferError
 
@@ -52,7 +57,9 @@ def test_a_read_that_cannot_be_stopped_fails_as_unstoppable(monkeypatch):
 
 
 def test_the_fetcher_keeps_an_unstoppable_reads_pages_out_of_use():
-    pages = torch.tensor([5, 6, 9])
-    req = SimpleNamespace(rid="r1", handle=SimpleNamespace(delta_pages=pages))
-    DeltaKVFetcher._quarantine(SimpleNamespace(), req)
+    pages = np.array([5, 6, 9])
+    params = SamplingParams()
+    req = Req(GenerateInput("r1", [1, 2], params), RequestStream("r1"), Sequence("r1", [1, 2], params),
+              handle=SimpleNamespace(delta_pages=pages))
+    DeltaKVFetcher._quarantine(req.pending_receive())
     assert req.handle.delta_pages is NO_PAGES  # release() frees the handle's delta pages: none are left to free
