@@ -1,6 +1,4 @@
-"""The cache's KV events over ZMQ as vLLM and SGLang send them (wire format, replay and drops: README.md,
-"KV events for KV-aware routers"). ``put`` never blocks: a bounded queue feeds one sender thread.
-"""
+"""The cache's KV events over ZMQ as vLLM and SGLang send them (README.md); ``put`` never blocks."""
 from __future__ import annotations
 
 import logging
@@ -24,17 +22,17 @@ IDLE_POLL_S = 0.05  # how often an idle sender looks at replay requests and at c
 
 
 def encode_batch(events: list[KVEvent], ts: float, dp_rank: int = 0) -> bytes:
-    """One message's msgpack payload; the rank is always there (Dynamo decodes a 3-tuple)."""
+    """One message's msgpack payload, rank included."""
     return msgpack.packb([ts, [e.wire() for e in events], dp_rank], use_bin_type=True)
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host, an IPv6 any-address or a local transport binds; a concrete host connects."""
+    """vLLM's rule: a wildcard or local address binds, a concrete host connects."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
-    """A PUB socket (and an optional replay ROUTER) fed by one sender thread."""
+    """A PUB socket (and optional replay ROUTER) fed by one sender thread."""
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, topic: str = "", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
@@ -66,7 +64,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def put(self, event: KVEvent) -> None:
-        """Queue one event; never blocks. A full queue drops it and marks the place (sequence gap + clear)."""
+        """Queue one event, never blocking; a full queue drops it (sequence gap + clear)."""
         try:
             if self._lost:  # the first event queued after a drop goes behind a marker of the drop
                 self._queue.put_nowait(LOST)
@@ -82,7 +80,7 @@ class ZmqEventPublisher:
                             "AllBlocksCleared")
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued (within ``timeout_s``), then close the sockets."""
+        """Send what is queued (within ``timeout_s``), then close."""
         self._closing.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -122,7 +120,7 @@ class ZmqEventPublisher:
             seq = self._send(seq, batch)
 
     def _send(self, seq: int, events: list[KVEvent]) -> int:
-        """Send ``events`` as batch ``seq``; returns the next number (``seq`` itself when there was nothing)."""
+        """Send ``events`` as batch ``seq``; the next number."""
         if not events:
             return seq
         try:

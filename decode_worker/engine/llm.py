@@ -1,8 +1,4 @@
-"""Offline generation: the command-line path and the benchmark's engine.
-
-Drives the server's own ``Scheduler`` synchronously (``step_sync``), colocated and without L2, so what it
-measures is what the server runs.
-"""
+"""Offline generation on the server's own ``Scheduler`` (``step_sync``), colocated, without L2."""
 from __future__ import annotations
 
 import itertools
@@ -33,7 +29,7 @@ class GenerationOutput:
 
 
 class LLM:
-    """Loads a model and generates for a list of prompts, batched as the server does."""
+    """Loads a model and generates for a list of prompts."""
 
     def __init__(
         self,
@@ -46,7 +42,7 @@ class LLM:
         load_tokenizer: bool = True,
         prefix_cache: bool = True,
     ):
-        """Without a tokenizer prompts must be token ids and no text comes back; without ``prefix_cache`` no reuse."""
+        """Without a tokenizer, prompts are token ids and no text comes back."""
         self.loaded = load_model(model_path, dtype=dtype, device=device, tokenizer=load_tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.config.eos_token_ids
@@ -75,8 +71,7 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
-        """Every prompt is checked (ValueError) before any runs; cached prefixes are dropped after, so no call's cost
-        depends on an earlier one."""
+        """Checks every prompt first (ValueError); drops cached prefixes after, so calls are independent."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         inputs, grammars = [], []
         for prompt, p in zip(prompts, plist):
@@ -92,7 +87,6 @@ class LLM:
         return [self._output(inp, stream) for inp, stream in zip(inputs, streams)]
 
     def _grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """``params``' grammar compiled (ValueError naming it), or None."""
         if params.grammar is None:
             return None
         if self.grammars is None:
@@ -103,7 +97,6 @@ class LLM:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def _output(self, inp: GenerateInput, stream: RequestStream) -> GenerationOutput:
-        """The finished stream's tokens; raises its error."""
         ids, finish_reason = [], None
         while (event := stream.queue.get_nowait()) is not None:
             if event.error is not None:

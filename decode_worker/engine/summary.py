@@ -6,7 +6,6 @@ from decode_worker.model.runner import ModelRunner
 
 
 def startup_summary(cfg: ServerConfig, runner: ModelRunner, model_path: str, host_pages: int) -> str:
-    """Role, model, dtype, device, L1/L2 in tokens and GB, the L3 backend and the peers' ports."""
     page_bytes, ps = runner.layout.page_bytes, cfg.page_size
     l1_pages = runner.num_pages - 1  # page 0 is scratch
     parts = [f"role {cfg.role}", f"model {model_path}", f"dtype {runner.dtype}".replace("torch.", "")

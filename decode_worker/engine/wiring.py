@@ -1,4 +1,4 @@
-"""Cache parts and the PD data plane built from the server's flags (those packages know nothing of flags)."""
+"""Cache parts and the PD data plane built from the flags."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 
 def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
-    """The StorageTier the flags ask for, or None."""
     if cfg.hicache_storage_backend == "none":
         return None
     if cfg.hicache_storage_backend == "redis":
@@ -47,8 +46,7 @@ def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
 
 
 def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics) -> ZmqEventPublisher | None:
-    """The publisher ``--kv-events-config`` asks for, or None; it opens with ``AllBlocksCleared`` (a restarted
-    worker holds nothing)."""
+    """The ``--kv-events-config`` publisher, or None; it opens with ``AllBlocksCleared``."""
     settings = cfg.kv_events
     if settings is None:
         return None
@@ -62,8 +60,7 @@ def open_kv_events(cfg: ServerConfig, cache: HierarchicalCache, metrics: Metrics
 
 
 def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
-    """A line per UCX flag set: accepted so deployments start, named so nobody thinks them honoured (NIXL
-    replaced their data plane)."""
+    """A line per UCX flag set: accepted, but NIXL replaced their data plane."""
     given = [(flag, value) for flag, value, default in (("--ucx-host", cfg.ucx_host, "127.0.0.1"),
                                                         ("--ucx-port", cfg.ucx_port, 0)) if value != default]
     return [f"{flag} {value} is not used: decode reads KV from prefill over NIXL, at the address in the prefill "
@@ -72,7 +69,7 @@ def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
 
 def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics,
             vocab_size: int) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
-    """The role's PD half over a NIXL agent that registers ``pool`` once (colocated: none, NIXL not imported)."""
+    """The role's PD half over a NIXL agent registering ``pool`` (colocated: None, None)."""
     if cfg.role not in ("decode", "prefill"):
         return None, None
     from decode_worker.transfer.agent import KVAgent

@@ -1,1 +1,1 @@
-"""The engine-level halves of PD: the handshake, prefill's hold, decode's read (docs/architecture.md)."""
+"""The engine-level halves of PD: the handshake, prefill's hold, decode's read."""

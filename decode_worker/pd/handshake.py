@@ -1,4 +1,4 @@
-"""The PD handshake: what decode asks, what prefill answers, and the checks both sides agree on."""
+"""The PD handshake: what decode asks, what prefill answers, and the checks."""
 from __future__ import annotations
 
 import base64
@@ -15,7 +15,6 @@ from decode_worker.transfer.descriptors import PoolDescriptor
 
 
 def prompt_digest(token_ids: list[int]) -> str:
-    """Digest of the prompt token ids: prefill and decode must have tokenized the same prompt."""
     return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
 
 
@@ -24,8 +23,7 @@ PD_TOKEN_HEADER = "X-PD-Token"  # the shared secret of a prefill/decode pair; a 
 
 
 class HandshakeBody(Protocol):
-    """Decode -> prefill: room, prompt, KV layout, and the prefill agent decode knows (its metadata is then left
-    out of the answer)."""
+    """Decode -> prefill: room, prompt, KV layout, and the prefill agent it knows."""
 
     room: int
     prompt_len: int
@@ -43,7 +41,7 @@ MAX_HOLD_S = 24 * 3600.0
 
 
 class BadAnswer(ValueError):
-    """A field of prefill's answer that decode cannot use; ``field`` names it (``pool.num_pages``, ``pages``)."""
+    """A field of prefill's answer decode cannot use; ``field`` names it."""
 
     def __init__(self, field: str, why: str):
         self.field = field
@@ -52,7 +50,7 @@ class BadAnswer(ValueError):
 
 @dataclass(frozen=True)
 class Asked:
-    """What decode asked prefill for, and what it can use: every answer is checked against it."""
+    """What decode asked for; answers are checked against it."""
 
     room: int
     prompt_len: int
@@ -64,8 +62,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Answer:
-    """Prefill -> decode: the room's pages, the first token, and ``hold_s`` counted from the end of ``waited_s``,
-    so decode bounds its read without a shared clock."""
+    """Prefill -> decode: the pages, the first token, and ``hold_s`` counted from the end of ``waited_s``."""
 
     room: int
     lease: int  # names this hand-off in the release notification (a room may be reused)
@@ -87,8 +84,7 @@ class Answer:
                 "prompt_logprobs": _prompt_to_json(self.prompt_logprobs)}
 
     def prefilled(self, logprob_start: int | None, top_logprobs: int) -> Prefilled:
-        """What the scheduler takes from the answer; ``BadAnswer`` unless its logprobs have the start and width the
-        request asks for."""
+        """What the scheduler takes; ``BadAnswer`` unless the logprobs match what was asked."""
         if len(self.top_logprobs) != top_logprobs:
             raise BadAnswer("top_logprobs", f"has {len(self.top_logprobs)} alternatives, the request asks for "
                                             f"{top_logprobs}")
@@ -103,8 +99,7 @@ class Answer:
 
     @classmethod
     def from_json(cls, d: Any, asked: Asked) -> Answer:
-        """The answer, every field checked against its type, its range and what decode ``asked``, as input like a
-        client's body (new fields too); ``BadAnswer`` names the first that fails."""
+        """The answer, every field checked; ``BadAnswer`` names the first bad one."""
         if not isinstance(d, dict):
             raise BadAnswer("answer", f"must be a JSON object, not {type(d).__name__}")
         if d.get("status") != "ready":
@@ -137,7 +132,7 @@ class Answer:
 
 
 def _int(d: dict, name: str, low: int, high: int, prefix: str = "") -> int:
-    """``d[name]``, an integer in ``[low, high)`` (a JSON bool or float is refused)."""
+    """``d[name]``, an integer in ``[low, high)``."""
     v = d.get(name)
     if type(v) is not int or not low <= v < high:
         raise BadAnswer(prefix + name, f"must be an integer in [{low}, {high}), not {v!r}")
@@ -145,7 +140,7 @@ def _int(d: dict, name: str, low: int, high: int, prefix: str = "") -> int:
 
 
 def _float(d: dict, name: str, low: float, high: float, low_open: bool = False) -> float:
-    """``d[name]``, a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    """``d[name]``, a finite number in ``[low, high]`` (``low_open``: ``(low, high]``)."""
     v = d.get(name)
     ok = type(v) in (int, float) and math.isfinite(v) and (low < v if low_open else low <= v) and v <= high
     if not ok:
@@ -154,7 +149,7 @@ def _float(d: dict, name: str, low: float, high: float, low_open: bool = False) 
 
 
 def _pool(d: Any, asked: Asked) -> PoolDescriptor:
-    """Prefill's pool descriptor: pages of our size, a bounded count, an address range that fits 64 bits."""
+    """Prefill's pool: our page size, a bounded count, 64-bit addresses."""
     if not isinstance(d, dict):
         raise BadAnswer("pool", f"must be a JSON object, not {type(d).__name__}")
     agent = d.get("agent")
@@ -175,7 +170,7 @@ def _pool(d: Any, asked: Asked) -> PoolDescriptor:
 
 
 def release_message(room: int, lease: int) -> bytes:
-    """The notification that tells prefill decode is done with a hand-off (read, or given up)."""
+    """Tells prefill decode is done with a hand-off."""
     return b"release %d %d" % (room, lease)
 
 
@@ -195,14 +190,13 @@ def _prompt_to_json(p: PromptLogprobs | None) -> dict[str, Any] | None:
 
 
 def _logprob(v: Any, name: str) -> float:
-    """A log-probability: a finite number <= 0."""
     if type(v) not in (int, float) or not math.isfinite(v) or v > 0:
         raise BadAnswer(name, f"must hold finite log-probabilities <= 0, not {v!r}")
     return float(v)
 
 
 def _alternatives(v: Any, name: str, vocab_size: int) -> list[tuple[int, float]]:
-    """At most ``MAX_TOP_LOGPROBS`` [token id, logprob] pairs, ids in the vocabulary."""
+    """At most ``MAX_TOP_LOGPROBS`` pairs, ids in the vocabulary."""
     if not isinstance(v, list) or len(v) > MAX_TOP_LOGPROBS:
         raise BadAnswer(name, f"must be a list of at most {MAX_TOP_LOGPROBS} [token, logprob] pairs")
     out = []
@@ -214,8 +208,7 @@ def _alternatives(v: Any, name: str, vocab_size: int) -> list[tuple[int, float]]
 
 
 def _prompt_from_json(v: Any, asked: Asked) -> PromptLogprobs | None:
-    """The prompt's logprobs from ``start``: None for position 0, else finite and <= 0, each with its alternatives
-    (empty for position 0)."""
+    """The prompt's logprobs from ``start``, each with its alternatives."""
     if v is None:
         return None
     if not isinstance(v, dict):

@@ -1,1 +1,1 @@
-"""One continuous-batching scheduler for every role: schedule, forward, postprocess (docs/architecture.md)."""
+"""One continuous-batching scheduler for every role."""

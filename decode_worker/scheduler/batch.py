@@ -1,4 +1,4 @@
-"""A batch the scheduler picked: which requests, and the forward that runs them."""
+"""A batch the scheduler picked: its requests and their forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +34,7 @@ def extend_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int,
 
 
 def decode_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int, ...]) -> Batch:
-    """Each request's last token, whose KV the forward writes. The page table comes from the requests'
-    rows on the device, so only pages added since the last step go over."""
+    """Each request's last token; only pages added since the last step go to the device."""
     seqs = [r.seq for r in reqs]
     last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
     fb = runner.build_decode([r.rid for r in reqs], last, [s.num_tokens - 1 for s in seqs], [s.pages for s in seqs])
@@ -43,7 +42,7 @@ def decode_batch(runner: ModelRunner, reqs: list[Req], eos_token_ids: tuple[int,
 
 
 def shaping(seq: Sequence, eos_token_ids: tuple[int, ...]) -> Shaping | None:
-    """What the sampler adjusts for ``seq`` at its next token: None for the common request that asks nothing."""
+    """What the sampler adjusts for ``seq``'s next token; None for most requests."""
     p = seq.params
     if not p.shapes_logits:
         return None

@@ -1,7 +1,4 @@
-"""Constrained decoding with xgrammar: grammars compiled once per (kind, text) off the event loop, a matcher
-per request, one token bitmask per step. How it works and how a constrained request ends:
-docs/structured-outputs.md.
-"""
+"""Constrained decoding with xgrammar (docs/structured-outputs.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +27,7 @@ _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?"
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A grammar compiled against this model's tokenizer; shared, read-only, by every request that uses it."""
+    """A grammar compiled for this model's tokenizer; shared and read-only."""
 
     kind: str
     text: str
@@ -38,13 +35,11 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer on its own thread, keeping the last ``CACHE_ENTRIES`` results by
-    (kind, text), refusals included. ``vocab_size`` is the logits' width, which may exceed the tokenizer's: tokens
-    past the tokenizer are never allowed."""
+    """Compiles grammars off the loop, caching results by (kind, text), refusals included."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the logits' width; tokens past the tokenizer's are never allowed
         self.cache_entries = cache_entries
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
@@ -52,8 +47,7 @@ class GrammarCompiler:
         self._xgr_compiler: Any = None  # built on the compile thread at first use (xgrammar loads in ~1.5 s)
 
     async def compile(self, params: SamplingParams, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
-        """``params``' grammar compiled, waiting at most ``timeout_s``; RequestError naming its field when it
-        cannot compile (400) or is not ready in time (503: the compile goes on and a retry finds it)."""
+        """``params``' grammar, waiting up to ``timeout_s``; RequestError 400 if invalid, 503 if late."""
         kind, text = params.grammar
         future = asyncio.wrap_future(self._submit(kind, text))
         try:
@@ -66,7 +60,7 @@ class GrammarCompiler:
             raise RequestError(f"{params.grammar_name}: {e}") from None
 
     def compile_now(self, params: SamplingParams) -> CompiledGrammar:
-        """Blocking ``compile`` for callers without an event loop (offline generation); ValueError naming the field."""
+        """Blocking ``compile`` (offline generation); ValueError naming the field."""
         try:
             return self._submit(*params.grammar).result()
         except GrammarError as e:
@@ -89,7 +83,6 @@ class GrammarCompiler:
             return future
 
     def _compile(self, kind: str, text: str) -> CompiledGrammar:
-        """Runs on the compile thread only."""
         compiler = self._compiler()
         try:
             if kind == "json_schema":
@@ -118,11 +111,11 @@ class GrammarCompiler:
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot compile; the message says why."""
+    """A grammar that cannot compile."""
 
 
 class RowGrammar:
-    """One request's place in its grammar: advanced by each token it emits, asked for the next allowed set."""
+    """One request's place in its grammar."""
 
     def __init__(self, grammar: CompiledGrammar, name: str):
         import xgrammar as xgr
@@ -131,8 +124,7 @@ class RowGrammar:
         self.name = name  # the request field, for the dead-end message
 
     def advance(self, seq: Sequence) -> None:
-        """Feed ``seq``'s newest token; finish ``seq`` when the grammar refuses it (a dead end: abort) or has
-        terminated."""
+        """Feed ``seq``'s newest token; finish ``seq`` at a dead end or the grammar's end."""
         token = seq.output_ids[-1]
         if not self.matcher.accept_token(token):
             seq.finish_reason = {"type": "abort",
@@ -143,21 +135,19 @@ class RowGrammar:
 
 @dataclass
 class BatchMask:
-    """A step's ``TokenMask``: bit ``t % 32`` of ``bits[i, t // 32]`` is set when row ``i`` may pick token ``t``;
-    only ``rows`` (those with a grammar) are masked."""
+    """A step's ``TokenMask``: bit ``t % 32`` of ``bits[i, t // 32]`` allows token ``t`` in row ``i``."""
 
     rows: list[int]
     bits: torch.Tensor  # int32 [batch, ceil(vocab / 32)], on the host
 
     def apply(self, logits: torch.Tensor) -> None:
-        """xgrammar's kernel for the logits' device over the masked rows, in one call."""
         import xgrammar as xgr
 
         xgr.apply_token_bitmask_inplace(logits, self.bits.to(logits.device, non_blocking=True), indices=self.rows)
 
 
 def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> BatchMask | None:
-    """The step's token bitmask for the rows that have a grammar, filled in one call; None when no row has one."""
+    """The step's bitmask for the rows with a grammar; None when none has one."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
@@ -173,7 +163,6 @@ def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> BatchMask |
 
 
 def _allows_any(compiled: Any, vocab_size: int) -> bool:
-    """Whether a grammar's start allows any token at all (end-of-sequence included)."""
     import xgrammar as xgr
 
     bits = xgr.allocate_token_bitmask(1, vocab_size)
@@ -182,7 +171,7 @@ def _allows_any(compiled: Any, vocab_size: int) -> bool:
 
 
 def _allow(bits: torch.Tensor, row: int, tokens: list[int]) -> None:
-    """Set ``tokens``' bits in ``row`` (int32 words: bit 31 is the sign); every token's when there are none."""
+    """Set ``tokens``' bits in ``row``; every token's when there are none."""
     words = bits[row].numpy().view(np.uint32)
     if not tokens:
         words[:] = np.uint32(0xFFFFFFFF)

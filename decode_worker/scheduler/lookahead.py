@@ -1,7 +1,4 @@
-"""L3 lookahead: the first queued requests prefetch what the store holds past their L1 + L2 hit into L2 while
-they wait. ``best_effort`` waits only while waiting costs nothing (decode: until prefill answers; colocated:
-not at all).
-"""
+"""L3 lookahead: the first queued requests prefetch their prefix from the store into L2."""
 from __future__ import annotations
 
 import asyncio
@@ -16,19 +13,17 @@ STORAGE_LOOKAHEAD = 8  # queued requests that may have an L3 lookup or prefetch 
 
 
 class StorageLookahead:
-    """The scheduler's L3 side; ``wakeup`` is set at each lookup's or prefetch's progress."""
-
     def __init__(self, cache: PrefetchCache, page_size: int, match_key: Callable[[Req], bytes],
                  wakeup: asyncio.Event):
         self.cache = cache
         self.storage = cache.storage
         self.page_size = page_size
         self.match_key = match_key  # the tokens whose cached KV a request can use
-        self.wakeup = wakeup
+        self.wakeup = wakeup  # set at each lookup's or prefetch's progress
         self._fetching: Counter[str] = Counter()  # L3 keys of unsettled fetches: later requests do not repeat them
 
     def start(self, queue: Iterable[Req]) -> list[Req]:
-        """Look the first queued requests up in L3 and start their prefetches; returns those whose lookup began."""
+        """Start the first queued requests' L3 lookups; returns those that began."""
         started = []
         for req in itertools.islice(queue, STORAGE_LOOKAHEAD):
             fresh = req.fetch is None and not req.seq.output_ids and req.aborted is None
@@ -37,8 +32,7 @@ class StorageLookahead:
         return started
 
     def _start_fetch(self, req: Req, defer: bool) -> bool:
-        """Start the request's L3 lookup past its L1 + L2 hit; with ``defer``, not while an earlier request
-        fetches its next page (False: it looks again once that one settled)."""
+        """Start ``req``'s lookup; with ``defer``, not while an earlier one fetches its next page."""
         key = self.match_key(req)
         match = self.cache.match(key)
         keys = self.cache.storage_keys(match)
@@ -53,7 +47,7 @@ class StorageLookahead:
         return True
 
     async def _fetch(self, fetch: StorageFetch) -> None:
-        """Ask the store how much of the prefix it holds and move that into L2, up to the policy's deadline."""
+        """Fetch what the store holds into L2, up to the policy's deadline."""
         waits = self.storage.policy.name != "best_effort"
         try:
             async with asyncio.timeout_at(fetch.deadline if waits else None):
@@ -71,7 +65,7 @@ class StorageLookahead:
             self.wakeup.set()
 
     def settled(self, req: Req) -> bool:
-        """True once the request is done with L3: prefetch stopped, arrived pages in the tree."""
+        """True once ``req`` is done with L3."""
         if req.seq.output_ids:
             return True
         if req.fetch is None:
@@ -86,7 +80,7 @@ class StorageLookahead:
         return True
 
     def settle(self, req: Req, insert: bool) -> None:
-        """Stop the request's prefetch; attach the pages that arrived (``insert``) and free every other L2 page."""
+        """Stop the prefetch; attach what arrived (``insert``), free the other L2 pages."""
         fetch = req.fetch
         if fetch is None or fetch.settled:
             return

@@ -1,5 +1,4 @@
-"""The scheduler's queues, one per group of lifecycle states; ``move`` is the only code that changes a
-request's state, and it changes its queue in the same call."""
+"""One queue per group of lifecycle states; ``move`` alone changes a request's state and queue."""
 from __future__ import annotations
 
 from collections import deque
@@ -25,13 +24,11 @@ class Queues:
         }  # the final states have no queue
 
     def add(self, req: Req) -> None:
-        """A new request, QUEUED at the back of prealloc."""
         req.state = S.QUEUED
         self.prealloc.append(req)
 
     def move(self, req: Req, state: ReqState, *, front: bool = False) -> None:
-        """Move ``req`` to ``state`` and into its queue (at the front with ``front``); it keeps its place when
-        both states share a queue. An illegal move raises ``IllegalTransition``, changing nothing."""
+        """Move ``req`` to ``state`` and its queue (``front``: at the head); an illegal move raises."""
         check_transition(req.state, state)
         old, new = self._by_state.get(req.state), self._by_state.get(state)
         if old is not new:
@@ -48,7 +45,7 @@ class Queues:
         req.state = state
 
     def admitted(self) -> int:
-        """Requests holding a batch slot: admitted and not yet finished, retracted or held."""
+        """Requests holding a batch slot."""
         return len(self.loading) + len(self.extend) + len(self.running)
 
     def stats(self) -> dict:

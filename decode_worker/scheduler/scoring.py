@@ -1,5 +1,4 @@
-"""Prompt logprobs, scored by the extend that computes the prompt, so a scoring request matches the cache only
-up to the first position whose logits it needs; the first token's logprob is None."""
+"""Prompt logprobs, scored by the extend that computes the prompt."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +14,7 @@ from decode_worker.scheduler.req import Req
 
 
 def computed_before(req: Req) -> int | None:
-    """The last prompt position whose KV may come from the cache when ``req`` scores its prompt; None
-    when it does not, or already did (a resumed request)."""
+    """The last prompt position whose KV may come from the cache; None unless ``req`` scores now."""
     start = req.inp.logprob_start
     if start is None or req.seq.output_ids:
         return None
@@ -34,7 +32,7 @@ class _Scored:
 
 @dataclass
 class ScoredExtend:
-    """An extend step that also scores prompts: the rows its logits keep, and where each request's are."""
+    """An extend that also scores prompts: which logits rows it keeps."""
 
     sample_rows: list[int]  # per request, the logits row of its last token
     scored: list[_Scored]
@@ -42,7 +40,6 @@ class ScoredExtend:
     def forward_sample(self, runner: ModelRunner, fb: ForwardBatch, params: list[SamplingParams],
                        generators: list[torch.Generator | None], shaping: list[Shaping | None],
                        mask: TokenMask | None = None) -> SampleResult:
-        """Forward once, sample from each request's last row, score the prompts from their rows."""
         logits = runner.forward(fb)
         result = sample(logits[self.sample_rows], params, generators, shaping, mask)
         result.prompt = [None] * len(params)
@@ -55,8 +52,7 @@ class ScoredExtend:
 
 
 def plan_scoring(reqs: list[Req], fb: ForwardBatch) -> ScoredExtend | None:
-    """Point ``fb``'s logits at the rows the scoring requests need (and everyone's last token); None, with
-    ``fb`` unchanged, when no request scores its prompt."""
+    """Point ``fb``'s logits at the rows scoring needs; None when no request scores."""
     rows: list[int] = []
     sample_rows: list[int] = []
     scored: list[_Scored] = []
