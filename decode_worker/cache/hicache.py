@@ -1,15 +1,4 @@
-"""Hierarchical radix KV cache over L1 (device) pages, optional L2 (host) pages and an optional L3 tier.
-A request checks its budget before anything moves:
-
-    m = cache.match(key)                           # read-only: L1 hit, L2 hit, nodes to restore
-    h = cache.load_back_and_lock(m, extra_pages=n) # lock, start L2->L1, pages for the delta
-    await h.wait()                                 # raises LoadBackError if the load-back failed
-    cache.insert(key_of_all_ids, h.take_pages() + decode_pages)   # on finish or retraction
-    cache.release(h)                               # unlock; frees what the handle still owns (abort too)
-
-Long because every method here changes what a node holds, which one class owns; the work that separates is
-in its parts.
-"""
+"""The hierarchical radix KV cache: the one class that decides what each node holds."""
 from __future__ import annotations
 
 import asyncio
@@ -30,13 +19,14 @@ from decode_worker.cache.stats import CacheStats
 from decode_worker.cache.storage.link import StorageLink
 from decode_worker.cache.storage.tier import StorageTier
 from decode_worker.cache.strategy import WriteStrategy, eviction_order
+from decode_worker.cache.tier_moves import TierMoves
 from decode_worker.core.policies import EvictionPolicy, StorageBackup, WritePolicy, parse_policy
 
 __all__ = ["FlushOutcome", "HierarchicalCache", "LoadBackError", "LoadHandle", "MatchResult"]
 
 
 class HierarchicalCache:
-    """The tree's meaning over composed parts. Event loop only."""
+    """Match, insert, lock, evict and move tiers over the parts it composes. Event loop only."""
 
     def __init__(
         self,
@@ -70,17 +60,18 @@ class HierarchicalCache:
         self.copies = CopiesInFlight()
         self.figures = CacheAccounting(self.tree, self.pages, self.copies, storage)
         self.counters = self.figures.counters
+        self.moves = TierMoves(self.tree, self.pages, self.copies, engine, self.counters)
         self._demoting: PendingCopy | None = None  # write_back victims of the eviction batch under way
 
     # -- matching and locking -------------------------------------------------------------------------------------
 
     def match(self, tokens: Tokens) -> MatchResult:
-        """Longest cached prefix over L1 then L2, stopping at the first gap. Changes nothing."""
+        """Longest cached prefix, L1 then L2, to the first gap. Read-only."""
         return match_prefix(self.tree, token_key(tokens))
 
     def load_back_and_lock(self, match: MatchResult, extra_pages: int = 0) -> LoadHandle:
-        """Lock the matched path, take L1 pages for the restore plus ``extra_pages`` and start the L2->L1 copy;
-        raises OutOfPages having taken nothing. A stale match is redone for the same pages in all."""
+        """Lock the path, take L1 pages for the restore plus ``extra_pages``, start the load-back (OutOfPages
+        takes nothing). A stale match is redone."""
         self.poll()
         if match.version != self.tree.version:
             stale, match = match, self.match(match.key)
@@ -96,7 +87,7 @@ class HierarchicalCache:
         try:
             pages = self._alloc_device(n_restore + extra_pages)
             if restore:
-                self._start_load(restore, pages[:n_restore])
+                self.moves.load(restore, pages[:n_restore])
         except BaseException:
             if pages is not None:
                 self.device_alloc.free(pages)
@@ -119,21 +110,21 @@ class HierarchicalCache:
         return LoadHandle(node, prefix, delta, device_hit, restored, waits, self.page_size, settle=self.poll)
 
     def release(self, handle: LoadHandle) -> None:
-        """Unlock the handle's prefix and free the pages it still owns (success, failure and abort alike)."""
+        """Unlock the prefix; free the pages the handle still owns."""
         if handle.released:
             raise RuntimeError("LoadHandle released twice")
         handle.released = True
         self.device_alloc.free(handle.delta_pages)
         handle.delta_pages = NO_PAGES
         self.tree.unlock(handle.node)
-        self._prune_gap_above(handle.node)
+        self.moves.prune_gap_above(handle.node)
         self.poll()
 
     # -- insertion --------------------------------------------------------------------------------------------------
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
-        """Cache the full pages of ``tokens``; the tree takes ``device_pages[:full pages]`` and frees duplicates.
-        Returns the tokens already on L1. ``backup``: to L2 whatever the policy (a retraction)."""
+        """The tree takes the full pages' ``device_pages`` (duplicates freed); returns tokens already on L1.
+        ``backup``: to L2 regardless of policy."""
         key, device_pages = token_key(tokens), page_ids(device_pages)
         n = len(key) // self.tree.page_bytes
         if len(device_pages) < n:
@@ -144,8 +135,7 @@ class HierarchicalCache:
         return cached * self.page_size
 
     def cache_in_flight(self, handle: LoadHandle, tokens: Tokens, pages: PageIds) -> tuple[LoadHandle, np.ndarray]:
-        """``insert`` for a running request (``pages``: the handle's prefix first), so others hit its pages now.
-        Returns the new handle (the old one is spent) and the request's pages: the tree's, then the rest."""
+        """``insert`` for a running request; returns its new handle (the old one is spent) and pages."""
         if handle.released or len(handle.delta_pages):
             raise ValueError("cache_in_flight needs a live handle whose delta pages were taken")
         key, pages = token_key(tokens), page_ids(pages)
@@ -167,8 +157,8 @@ class HierarchicalCache:
     def _graft(
         self, key: Key, pages: np.ndarray, n: int, *, backup: bool, exact: bool
     ) -> tuple[TreeNode, int, int, list[np.ndarray]]:
-        """Put ``pages[:n]`` along ``key`` up to a load-back in flight, freeing duplicates (``exact``: split where
-        ``key`` ends). Returns the deepest node, pages grafted, pages already on L1, and (``exact``) the tree's."""
+        """Graft ``pages[:n]`` along ``key`` up to a load-back in flight (``exact``: split at its end); returns
+        (deepest node, pages grafted, pages already on L1, the tree's pages if ``exact``)."""
         tree = self.tree
         path, tail = tree.match(key)
         node, pos, cached, dup, kept, tree_pages = tree.root, 0, 0, [], [], []
@@ -209,7 +199,7 @@ class HierarchicalCache:
     # -- L1 and L2 pages --------------------------------------------------------------------------------------------
 
     def alloc_device(self, n: int) -> np.ndarray:
-        """``n`` L1 pages, evicting unlocked leaves in one batch if needed; raises OutOfPages taking nothing."""
+        """``n`` L1 pages, evicting if needed; OutOfPages takes nothing."""
         self.poll()  # finished copies unlock nodes and return drained pages
         return self._alloc_device(n)
 
@@ -220,7 +210,7 @@ class HierarchicalCache:
         return self.pages.take_device(n, locked=self.tree.locked_device_pages)
 
     def free_device(self, pages: PageIds) -> None:
-        """Return request-owned L1 pages that were never inserted (e.g. a partial last page)."""
+        """Return request-owned L1 pages never inserted."""
         self.device_alloc.free(pages)
 
     def available_device_pages(self) -> int:
@@ -230,7 +220,7 @@ class HierarchicalCache:
         return self.figures.pages_soon_free()
 
     def _alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` L2 pages, evicting host-only leaves if that can make room, else None; never raises."""
+        """``n`` L2 pages, evicting only if that makes room; else None."""
         if self.host_alloc is None:
             return None
         short = self.pages.host_short(n)
@@ -243,24 +233,23 @@ class HierarchicalCache:
     # -- L3 ---------------------------------------------------------------------------------------------------------
 
     def storage_keys(self, match: MatchResult) -> list[str]:
-        """L3 keys of the whole pages of ``match.key`` past its L1 + L2 hit."""
+        """L3 keys of the whole pages past the match's hit."""
         last = match.path[-1] if match.path else None
         return self.tree.hashes_past(match.key, last, match.tail_pages, match.hit_tokens // self.page_size)
 
     def alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` L2 pages for a prefetch, or None; the caller owns them until ``insert_host`` or ``free_host``."""
+        """``n`` L2 pages lent to a prefetch until ``insert_host`` or ``free_host``, or None."""
         pages = self._alloc_host(n)
         if pages is not None:
             self.pages.lend_host(pages)
         return pages
 
     def free_host(self, pages: PageIds) -> None:
-        """Return L2 pages from ``alloc_host`` that hold nothing worth keeping."""
         self.pages.return_host(pages)
 
     def insert_host(self, tokens: Tokens, host_pages: PageIds, from_page: int) -> range:
-        """Attach prefetched L2 pages (pages ``from_page, ...`` of ``tokens``) as a host-only node, freeing those
-        the tree holds by now. Returns the page indices of ``tokens`` the new node holds."""
+        """Hang prefetched pages ``from_page, ...`` of ``tokens`` as a host-only node, freeing those cached
+        by now; returns the page indices it holds."""
         key, host_pages = token_key(tokens), page_ids(host_pages)
         tree, pb = self.tree, self.tree.page_bytes
         end = from_page + len(host_pages)
@@ -279,67 +268,41 @@ class HierarchicalCache:
         return range(start, end)
 
     def _store(self, nodes: Iterable[TreeNode]) -> None:
-        """Queue one L2 -> L3 backup of the nodes' pages."""
         nodes = list(nodes)
         keys = [k for n in nodes for k in self.tree.page_hashes(n)]
         self.l3.store(keys, cat_pages([n.host_indices for n in nodes]))
 
-    # -- starting copies --------------------------------------------------------------------------------------------
+    # -- copies -----------------------------------------------------------------------------------------------------
 
     def _backup(self, nodes: Iterable[TreeNode]) -> None:
-        """Start one L1->L2 copy of the nodes only on L1 (none if L2 has no room)."""
+        """One L1 -> L2 copy of the L1-only nodes, if L2 has room."""
         nodes = [n for n in nodes if n.on_device and not n.on_host and n.saving is None]
-        if not nodes:
-            return
-        host = self._alloc_host(sum(self.tree.num_pages(n) for n in nodes))
-        if host is None:
-            return
-        op = PendingCopy("backup", nodes=nodes, locked=list(nodes))
-        offset = 0
-        for node in nodes:
-            k = self.tree.num_pages(node)
-            self.tree.set_host(node, host[offset : offset + k])
-            offset += k
-            node.saving = op
-            self.tree.lock(node)
-        self.copies.add(op, self.engine.backup(cat_pages([n.device_indices for n in nodes]), host))
-
-    def _start_load(self, nodes: list[TreeNode], device_pages: np.ndarray) -> None:
-        """Submit the L2->L1 copy of ``nodes`` into ``device_pages``; the nodes change only once it is queued."""
-        op = PendingCopy("load", nodes=list(nodes), locked=[nodes[-1]], deps=self.copies.load_deps(nodes))
-        future = self.engine.load(cat_pages([n.host_indices for n in nodes]), device_pages)
-        offset = 0
-        for node in nodes:
-            n = self.tree.num_pages(node)
-            self.tree.set_device(node, device_pages[offset : offset + n])
-            node.loading = op
-            offset += n
-        self.tree.lock(nodes[-1])
-        self.copies.add(op, future)
+        if nodes and (host := self._alloc_host(sum(self.tree.num_pages(n) for n in nodes))) is not None:
+            self.moves.backup(nodes, host)
 
     def _split(self, node: TreeNode, pages: int) -> TreeNode:
-        """Split ``node`` after ``pages`` pages, keeping the copies that write it current."""
+        """Split ``node``; its copies write the head too."""
         head = self.tree.split(node, pages)
         self.copies.follow_split(node, head)
         return head
 
-    # -- finished copies --------------------------------------------------------------------------------------------
-
     def poll(self) -> int:
-        """Apply finished copies, each after those it depends on; returns how many. Cheap: called each step."""
+        """Apply finished copies, each after its dependencies; returns how many."""
         done = 0
         for op in self.copies.finished():
-            self._finish(op)
+            ok = not op.failed()
+            if ok and op.kind == "backup" and self.l3 is not None:  # on to L3, as the storage backup policy says
+                self._store(n for n in op.nodes if self.l3.after_backup(n.hit_count))
+            self.moves.settle(op, ok)
             done += 1
         return done
 
     @property
     def busy(self) -> bool:
-        """Copies are in flight; their locks and pages go only at a later ``poll``."""
         return bool(self.copies)
 
     def drain(self) -> None:
-        """Block until every copy is applied (tests, benchmarks, shutdown; never on the loop)."""
+        """Apply every copy, blocking: never on the loop."""
         while self.copies:
             wait_futures(self.copies.futures())
             self.poll()
@@ -349,52 +312,11 @@ class HierarchicalCache:
         if self.engine is not None:
             self.engine.close()
 
-    def _finish(self, op: PendingCopy) -> None:
-        """Apply a finished copy; a failed one leaves no trace, nor do loads restored below a failed load."""
-        ok, tree = not op.failed(), self.tree
-        for node in op.nodes:
-            if op.kind == "load":
-                node.loading = None
-                if ok:
-                    self.counters.loaded_back += node.num_tokens
-                else:
-                    self.device_alloc.free(tree.clear_device(node))
-            else:
-                node.saving = None
-                if ok:
-                    self.counters.backed_up += node.num_tokens
-                else:
-                    self.host_alloc.free(tree.clear_host(node))
-        if op.kind == "load" and not ok and op.nodes:
-            self._undo_loads_below(op.nodes[0])
-        if op.kind == "backup" and ok and self.l3 is not None:  # on to L3, as the storage backup policy says
-            self._store(n for n in op.nodes if self.l3.after_backup(n.hit_count))
-        if len(op.drain):
-            self.pages.drained(op.drain)
-        op.ok = ok
-        for node in op.locked:
-            tree.unlock(node)
-        if not ok:  # a node may have lost its last tier; every node of the op is on a path to a locked one
-            for node in op.locked:
-                if node.parent is not None:
-                    self._prune_gap_above(node)
-
-    def _undo_loads_below(self, node: TreeNode) -> None:
-        """Take off L1 what later loads restore below ``node`` (its load failed); pages go when each lands."""
-        for n in self.tree.subtree(node):
-            op = n.loading
-            if op is not None:
-                op.nodes.remove(n)
-                n.loading = None
-                pages = self.tree.clear_device(n)
-                op.drain = np.concatenate((op.drain, pages))
-                self.pages.drain_later(pages)
-
     # -- eviction ---------------------------------------------------------------------------------------------------
 
     def evict_device(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L1 pages (exactly, under SLRU) from unlocked leaves in one batch; returns
-        pages released. Victims on L2 become host-only, write_back copies L1-only ones first, others leave."""
+        """Release at least ``n_pages`` L1 pages (exactly under SLRU) in one batch; returns how many. Victims
+        on L2 stay there, write_back demotes L1-only ones, the rest leave."""
         tree = self.tree
         write_back = self.writes.demotes
         demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
@@ -420,43 +342,27 @@ class HierarchicalCache:
                     tree.refresh(node)
                     demote.nodes.append(node)
                 else:
-                    self._drop(node, freed)
+                    self.moves.drop(node, freed)
                 self.counters.evicted_device += k * self.page_size
                 released += k
         finally:
             self._demoting = None
             self.device_alloc.free(cat_pages(freed))  # one batch: the allocator's checks run once
         if old_pages:
-            self._start_demotion(demote, old_pages)
+            self.moves.demote(demote, old_pages)
         return released
 
-    def _start_demotion(self, op: PendingCopy, old_pages: list[np.ndarray]) -> None:
-        """Copy write_back victims still in the tree to L2; old L1 pages are freed when it lands."""
-        live = [(n, p) for n, p in zip(op.nodes, old_pages) if n.parent is not None]
-        op.drain = cat_pages(old_pages)
-        if not live:
-            self.device_alloc.free(op.drain)
-            return
-        op.nodes = [n for n, _ in live]
-        op.locked = list(op.nodes)
-        for node in op.nodes:
-            self.tree.lock(node)
-        self.pages.drain_later(op.drain)
-        src, dst = cat_pages([p for _, p in live]), cat_pages([n.host_indices for n in op.nodes])
-        self.copies.add(op, self.engine.backup(src, dst))
-
     def evict_host(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L2 pages (exactly, under SLRU) from unlocked host-only leaves; returns pages
-        freed."""
+        """Free at least ``n_pages`` L2 pages (exactly under SLRU)."""
         freed = 0
         while freed < n_pages and (node := self.tree.host_leaves.pop()) is not None:
             node = self._trim(node, n_pages - freed)
             freed += self.tree.num_pages(node)
-            self._drop(node)
+            self.moves.drop(node)
         return freed
 
     def _trim(self, node: TreeNode, need: int) -> TreeNode:
-        """Split off the part of victim ``node`` to give up for ``need`` pages; ``node`` is that part."""
+        """The part of victim ``node`` given up for ``need`` pages."""
         k = self.tree.num_pages(node)
         give = self.order.pages_to_give(k, need)
         if give < k:
@@ -466,41 +372,21 @@ class HierarchicalCache:
     def _host_evictable_pages(self) -> int:
         return self.figures.host_evictable_pages(self._demoting.nodes if self._demoting is not None else ())
 
-    def _drop(self, node: TreeNode, device_pages: list[np.ndarray] | None = None) -> None:
-        """Remove an unlocked node and its subtree, freeing their pages (L1 ones into ``device_pages`` if given)."""
-        for n in self.tree.subtree(node) if node.children else (node,):
-            if n.on_device:
-                pages = self.tree.clear_device(n)
-                if device_pages is None:
-                    self.device_alloc.free(pages)
-                else:
-                    device_pages.append(pages)
-            if n.on_host:
-                self.host_alloc.free(self.tree.clear_host(n))
-                self.counters.evicted_host += n.num_tokens
-        self.tree.remove(node)
-
-    def _prune_gap_above(self, node: TreeNode) -> None:
-        """Drop the highest unlocked tierless node above ``node`` (left by a failed copy)."""
-        if (gap := self.tree.highest_gap(node)) is not None:
-            self._drop(gap)
-
     # -- flushing and figures ---------------------------------------------------------------------------------------
 
     def flush(self) -> int:
-        """Drop every unlocked node from both tiers (POST /flush_cache); returns the tokens dropped."""
+        """Drop every unlocked node; returns the tokens dropped."""
         self.poll()
         tops = self.tree.unlocked_tops()
         dropped = sum(m.num_tokens for n in tops for m in self.tree.subtree(n))
         for node in tops:
-            self._drop(node)
+            self.moves.drop(node)
         if self.tree.events is not None and not self.tree.root.children:  # nothing was locked: every tier is empty
             self.tree.events.cleared()
         return dropped
 
     async def flush_settled(self, timeout_s: float) -> FlushOutcome:
-        """``flush`` after waiting at most ``timeout_s`` for copies in flight, whose locks would keep the prefix
-        just cached; says what stayed."""
+        """``flush`` after waiting up to ``timeout_s`` for the copies, whose locks keep prefixes."""
         waited_for = len(self.copies)
         if self.copies:
             await asyncio.wait([asyncio.wrap_future(f) for f in self.copies.futures()], timeout=timeout_s)
