@@ -1,6 +1,4 @@
-"""The cache's figures, read from its parts without changing them: admission budget, pages soon free, L2
-pages an eviction can free, and the ``CacheStats`` snapshot.
-"""
+"""The cache's figures, read from its parts without changing them."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +13,7 @@ from decode_worker.cache.storage.tier import StorageTier
 
 
 class CacheAccounting:
-    """Read-only sums over the tree, the allocators and the copies in flight; holds the token counters."""
+    """Sums over the tree, allocators and copies; holds the token counters."""
 
     def __init__(self, tree: RadixTree, pages: Allocation, copies: CopiesInFlight,
                  storage: StorageTier | None = None):
@@ -26,21 +24,20 @@ class CacheAccounting:
         self.counters = CacheCounters()
 
     def available_device_pages(self) -> int:
-        """L1 pages an allocation could get now or by evicting: the budget check before admitting a request."""
+        """L1 pages an allocation could get now or by evicting (admission's budget)."""
         tree = self.tree
         return self.pages.device.num_free + self.pages.draining + tree.device_pages - tree.locked_device_pages
 
     def pages_soon_free(self) -> int:
-        """L1 pages copies in flight will free (drains) or make evictable (nodes only a backup pins): what a
-        request short of pages waits for rather than take others'."""
+        """L1 pages copies in flight will free or make evictable: what a request short of pages waits for."""
         pinned = self.copies.backup_pins()
         return self.pages.draining + sum(
             self.tree.num_pages(n) for n, locks in pinned.items() if n.on_device and n.lock_ref == locks
         )
 
     def host_evictable_pages(self, demoting: Iterable[TreeNode] = ()) -> int:
-        """L2 pages an eviction can free now, less ``demoting`` (write_back victims not locked yet) and the
-        unlocked host-only nodes above them."""
+        """L2 pages an eviction can free now, ``demoting`` victims and the host-only nodes above
+        them left out."""
         pages = self.tree.host_only_pages
         seen: set[TreeNode] = set()
         for node in demoting:
@@ -52,7 +49,6 @@ class CacheAccounting:
         return pages
 
     def stats(self) -> CacheStats:
-        """Pages per tier and state, a copy of the token counters, and the L3 tier's figures."""
         tree = self.tree
         return CacheStats(
             device=self.pages.device_pages(tree.device_pages, tree.locked_device_pages),

@@ -1,6 +1,4 @@
-"""Allocation apart from reuse: the L1 and L2 page allocators and the pages between owners (drains, L2 pages
-lent to a prefetch). It never sees a node.
-"""
+"""The L1 and L2 allocators and the pages between owners (drains, lent L2 pages); never a node."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +8,7 @@ from decode_worker.cache.stats import TierPages
 
 
 class Allocation:
-    """The page allocators of both tiers, and the pages in transit between their owners."""
+    """Both tiers' allocators and the pages in transit."""
 
     def __init__(self, device_pages: int, host_pages: int | None):
         self.device = PageAllocator(device_pages, reserved=1)  # page 0: scratch (padding writes go there)
@@ -21,18 +19,18 @@ class Allocation:
     # -- L1 ---------------------------------------------------------------------------------------------------------
 
     def device_short(self, n: int) -> int:
-        """Pages an allocation of ``n`` L1 pages must evict first (the drains count as on their way back)."""
+        """Pages to evict before taking ``n`` (drains count as free)."""
         return n - self.device.num_free - self.draining
 
     def take_device(self, n: int, locked: int) -> np.ndarray:
-        """``n`` L1 pages, or OutOfPages saying where the pages are (``locked``: tree pages locked now)."""
+        """``n`` L1 pages, or OutOfPages saying where they are."""
         if self.device.num_free < n:
             raise OutOfPages(f"need {n} L1 pages: {self.device.num_free} free, {self.draining} still being backed "
                              f"up to L2, {locked} locked")
         return self.device.alloc(n)
 
     def drain_later(self, pages: np.ndarray) -> None:
-        """``pages`` are freed when a copy lands (``drained``); until then an allocation counts on them."""
+        """``pages`` are freed when a copy lands (``drained``)."""
         self.draining += len(pages)
 
     def drained(self, pages: np.ndarray) -> None:
@@ -48,7 +46,7 @@ class Allocation:
         return self.host.alloc(n) if self.host.num_free >= n else None
 
     def lend_host(self, pages: np.ndarray) -> None:
-        """``pages`` leave for a prefetch: they are in neither the tree nor the free stack."""
+        """``pages`` go to a prefetch, in neither the tree nor the free stack."""
         self.host_out += len(pages)
 
     def return_host(self, pages: PageIds) -> None:
@@ -56,19 +54,17 @@ class Allocation:
         self.host_out -= len(pages)
 
     def attach_host(self, n: int) -> None:
-        """``n`` lent pages joined the tree."""
         self.host_out -= n
 
     # -- what the cache reports -------------------------------------------------------------------------------------
 
     def device_pages(self, in_tree: int, locked: int) -> TierPages:
-        """L1 by state, given the tree's L1 pages and how many of them are locked."""
         dev = self.device
         return TierPages(total=dev.total, free=dev.num_free, used=dev.num_used - in_tree,
                          evictable=in_tree - locked, locked=locked)
 
     def host_pages(self, locked: int, evictable: int) -> TierPages | None:
-        """L2 by state (None without L2), given the tree's locked and host-only (evictable) L2 pages."""
+        """None without L2."""
         h = self.host
         if h is None:
             return None

@@ -1,7 +1,4 @@
-"""Copies in flight between L1 and L2, oldest first. The engine may finish a load before backups queued ahead of
-it; the cache applies each copy once it and the copies it depends on are done. Applying an outcome to the tree is
-``HierarchicalCache``'s job.
-"""
+"""Copies in flight between L1 and L2, each applied once it and its dependencies are done."""
 from __future__ import annotations
 
 from collections import deque
@@ -17,7 +14,7 @@ from decode_worker.cache.pool import NO_PAGES
 
 @dataclass(eq=False)
 class PendingCopy:
-    """A copy on the engine plus what the cache must do when it finishes."""
+    """A copy on the engine and what finishing it changes."""
 
     kind: str  # "load" (L2->L1) or "backup" (L1->L2)
     nodes: list[TreeNode]  # nodes whose data it writes, in path order; kept current across splits
@@ -28,7 +25,7 @@ class PendingCopy:
     ok: bool | None = None  # set when finished
 
     def failed(self) -> bool:
-        """The copy, or one it depends on, failed or was cancelled (only once ``future`` is done)."""
+        """It or a dependency failed (once ``future`` is done)."""
         f = self.future
         return f.cancelled() or f.exception() is not None or any(d.ok is False for d in self.deps)
 
@@ -47,8 +44,7 @@ class CopiesInFlight:
         self.queue.append(op)
 
     def finished(self) -> Iterator[PendingCopy]:
-        """Take out, oldest first, the copies that have finished and whose dependencies were taken out before
-        (a copy's dependencies are older than it, so one pass finds them all)."""
+        """Take out, oldest first, finished copies whose dependencies were applied (in this pass too)."""
         for op in list(self.queue):
             if op.future.done() and all(d.ok is not None for d in op.deps):
                 self.queue.remove(op)
@@ -59,7 +55,7 @@ class CopiesInFlight:
 
     @staticmethod
     def load_deps(nodes: list[TreeNode]) -> list[PendingCopy]:
-        """What a load of ``nodes`` fails with: backups still writing their L2 pages, and loads of ancestors."""
+        """Backups writing ``nodes``' L2 pages and loads of their ancestors."""
         deps = {n.saving: None for n in nodes if n.saving is not None}
         node = nodes[0].parent
         while node is not None:
@@ -70,13 +66,13 @@ class CopiesInFlight:
 
     @staticmethod
     def follow_split(node: TreeNode, head: TreeNode) -> None:
-        """``head`` was split off the front of ``node``: the copies writing ``node`` write it too."""
+        """The copies writing ``node`` write ``head``, split off its front, too."""
         for op in (node.loading, node.saving):
             if op is not None:
                 op.nodes.insert(op.nodes.index(node), head)
 
     def backup_pins(self) -> dict[TreeNode, int]:
-        """Per node, the locks backups in flight hold on it (on each node read, and so on every ancestor)."""
+        """Per node, the locks backups in flight hold on it."""
         pinned: dict[TreeNode, int] = {}
         for op in self.queue:
             if op.kind == "backup":

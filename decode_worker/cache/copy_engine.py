@@ -1,6 +1,4 @@
-"""Page copies between the L1 (device) and L2 (host) KV buffers on one worker thread, off the event loop. A
-load-back (on a request's critical path) runs ahead of queued backups (off it) unless it touches their pages.
-"""
+"""L1 <-> L2 page copies on one thread, off the event loop, load-backs first (docs/architecture.md)."""
 from __future__ import annotations
 
 import copy
@@ -24,8 +22,7 @@ STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes 
 
 
 class PageCopier(Protocol):
-    """What the cache asks of a copy engine: copies by page ids, each a future. Copies that touch the same pages
-    run in submission order (a load of host pages after the backup writing them reads the finished backup)."""
+    """Copies by page ids, each a future; those touching the same pages run in order."""
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future: ...
 
@@ -36,7 +33,7 @@ class PageCopier(Protocol):
 
 @dataclass(eq=False)
 class CopyJob:
-    """One queued copy: ``kind`` "load" (host -> device) or "backup" (device -> host)."""
+    """``kind``: "load" (host -> device) or "backup" (device -> host)."""
 
     kind: str
     device_pages: np.ndarray
@@ -47,9 +44,8 @@ class CopyJob:
 
 
 class CopyQueue:
-    """Copies not yet started, in the order they run: loads first-in first-out, backups likewise, and a load
-    ahead of the backups queued before it unless one of them writes host pages it reads or reads device pages it
-    writes (then the backups up to that one run first). Not thread-safe: the engine holds a lock around it."""
+    """Copies not yet started, in run order: a load ahead of older backups that do not touch its pages.
+    Not thread-safe."""
 
     def __init__(self, device_pages: int, host_pages: int):
         self.loads: deque[CopyJob] = deque()
@@ -70,7 +66,6 @@ class CopyQueue:
             self._count(job, 1)
 
     def pop(self) -> CopyJob | None:
-        """The copy to run next, or None when none is queued."""
         if self.loads and not self.waits_for_backup(self.loads[0]):
             return self.loads.popleft()
         if self.backups:
@@ -80,7 +75,7 @@ class CopyQueue:
         return None
 
     def waits_for_backup(self, load: CopyJob) -> bool:
-        """A backup queued before ``load`` writes host pages it reads or reads device pages it writes."""
+        """An older backup writes host pages ``load`` reads or reads device pages it writes."""
         if not (self._host_written[load.host_pages].any() or self._device_read[load.device_pages].any()):
             return False  # the usual case, in one look per page; else find whether an older backup is the one
         for backup in self.backups:
@@ -92,14 +87,13 @@ class CopyQueue:
         return False
 
     def order(self) -> list[CopyJob]:
-        """Every queued copy in the order ``pop`` hands them out (on a copy of the queue: nothing changes)."""
+        """The queued copies in ``pop`` order, popping none."""
         plan = copy.copy(self)
         plan.loads, plan.backups = deque(self.loads), deque(self.backups)
         plan._host_written, plan._device_read = self._host_written.copy(), self._device_read.copy()
         return list(iter(plan.pop, None))
 
     def take_all(self) -> list[CopyJob]:
-        """Empty the queue, returning what it held (``close`` cancels them)."""
         jobs = [*self.loads, *self.backups]
         self.loads.clear()
         self.backups.clear()
@@ -113,8 +107,7 @@ class CopyQueue:
 
 
 class CopyEngine:
-    """``PageCopier`` on one worker thread: each submission queues its copy in a ``CopyQueue`` and one task on
-    the thread, which runs whichever copy the queue hands out first."""
+    """``PageCopier`` on one thread, running copies in ``CopyQueue`` order."""
 
     def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor, staging_bytes: int = STAGING_BYTES):
         self.device_buffer = device_buffer
@@ -127,14 +120,12 @@ class CopyEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
-        """L2 -> L1. The caller then yields the interpreter lock once, so that the copy thread starts the copy now
-        rather than whenever the caller next blocks (a load-back is on a request's path to its first token)."""
+        """L2 -> L1; then yields the interpreter lock once, so the copy thread starts it now."""
         future = self._submit(self._job("load", device_pages, host_pages))
         time.sleep(0)
         return future
 
     def backup(self, device_pages: PageIds, host_pages: PageIds) -> Future:
-        """L1 -> L2."""
         return self._submit(self._job("backup", device_pages, host_pages))
 
     def _job(self, kind: str, device_pages: PageIds, host_pages: PageIds) -> CopyJob:
@@ -154,7 +145,7 @@ class CopyEngine:
             self.run_job(job)
 
     def run_job(self, job: CopyJob) -> None:
-        """Run one copy and settle its future (a copy cancelled meanwhile does not run)."""
+        """Run one copy unless cancelled; settle its future."""
         if not job.future.set_running_or_notify_cancel():
             return
         if job.kind == "load":
@@ -169,7 +160,7 @@ class CopyEngine:
             job.future.set_result(None)
 
     def _caller_event(self) -> torch.cuda.Event | None:
-        """Marks the caller's queued stream work: the copy must not touch those pages before it is done."""
+        """The caller's stream work the copy must follow."""
         if self._stream is None:
             return None
         event = torch.cuda.Event()
@@ -202,7 +193,6 @@ class CopyEngine:
             self.staging.load(src, dst, src_pages, dst_pages)
 
     def _direct(self, src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds) -> None:
-        """Device <-> pinned L2: one async copy per run of consecutive pages on the copy stream, no staging."""
         with torch.cuda.stream(self._stream):
             copy_host_pages(src, dst, src_pages, dst_pages, non_blocking=True)
         done = torch.cuda.Event()
@@ -212,8 +202,7 @@ class CopyEngine:
 
 def copy_host_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: PageIds, dst_pages: PageIds,
                     non_blocking: bool = False) -> None:
-    """``dst[dst_pages] = src[src_pages]``, one plain copy per run of consecutive pages (one DMA each with
-    ``non_blocking`` between CUDA and pinned host buffers)."""
+    """``dst[dst_pages] = src[src_pages]``, one copy per run of consecutive pages."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination")
     s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
@@ -234,8 +223,7 @@ class _Slot:
 
 
 class Staging:
-    """Two pinned host slots paired with device memory, allocated once; copies alternate slots chunk by chunk.
-    ``stream=None`` runs the same steps synchronously (CPU tests)."""
+    """Two pinned host slots paired with device memory, used in turn chunk by chunk (``stream=None``: in line)."""
 
     def __init__(self, device_buffer: torch.Tensor, nbytes: int, stream: torch.cuda.Stream | None):
         self.page_bytes = prod(device_buffer.shape[1:]) * device_buffer.element_size()
@@ -251,8 +239,7 @@ class Staging:
         return _Slot(host, torch.empty(nbytes, dtype=torch.uint8, device=device), done)
 
     def backup(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """Device ``src`` -> host ``dst``: the device gathers a chunk into its slot and copies it down while the
-        host scatters the chunk before."""
+        """Device -> host: the device gathers a chunk as the host scatters the last."""
         waiting: list[tuple[torch.Tensor, _Slot, torch.Tensor]] = []
         for i, (s, d) in enumerate(self._chunks(src_pages, dst_pages)):
             slot = self.slots[i % 2]
@@ -268,7 +255,6 @@ class Staging:
             self._scatter_on_host(*entry, dst)
 
     def load(self, src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """Host ``src`` -> device ``dst`` through the slots; returns once every chunk is in place."""
         for i, (s, d) in enumerate(self._chunks(src_pages, dst_pages)):
             slot = self.slots[i % 2]
             self._wait(slot)  # its previous chunk has left the host memory
@@ -292,7 +278,6 @@ class Staging:
         return [(src_pages[i: i + n], dst_pages[i: i + n]) for i in range(0, src_pages.numel(), n)]
 
     def _views(self, slot: _Slot, like: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's first ``pages`` pages as contiguous ``[pages, layer, 2, ...]`` blobs, device then host."""
         shape = (pages, *like.shape[1:])
         nbytes = pages * self.page_bytes
         return tuple(flat[:nbytes].view(like.dtype).view(shape) for flat in (slot.device, slot.host))

@@ -1,6 +1,4 @@
-"""What a caller of the cache holds: a read-only ``MatchResult``, a ``LoadHandle`` (a locked prefix and its
-pages, settling copies through one callback) and ``LoadBackError``.
-"""
+"""What a caller of the cache holds: a ``MatchResult``, a ``LoadHandle`` and ``LoadBackError``."""
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +14,12 @@ from decode_worker.cache.radix_tree import RadixTree
 
 
 class LoadBackError(RuntimeError):
-    """An L2->L1 copy this request depends on failed or was cancelled; its prefix is not usable."""
+    """A load-back the prefix depends on failed: the prefix is unusable."""
 
 
 @dataclass
 class MatchResult:
-    """Read-only prefix match: what is on L1, what can be restored from L2, and where the match stopped."""
+    """A read-only match: the L1 hit, what L2 can restore, where it stopped."""
 
     key: Key  # token_key of the query
     path: list[TreeNode]  # matched nodes; the last one may match only its first ``tail_pages`` pages
@@ -38,7 +36,7 @@ class MatchResult:
 
 
 def match_prefix(tree: RadixTree, key: Key) -> MatchResult:
-    """The longest prefix of ``key`` on L1 then L2, stopping at the first gap. Reads the tree only."""
+    """The longest prefix of ``key`` on L1 then L2, to the first gap."""
     path, tail = tree.match(key)
     last = len(path) - 1
     dev_parts, restore = [], []
@@ -62,7 +60,7 @@ def match_prefix(tree: RadixTree, key: Key) -> MatchResult:
 
 @dataclass(eq=False)
 class LoadHandle:
-    """A locked prefix, its pending load-back and the request's delta pages."""
+    """A locked prefix, its load-back and the request's delta pages."""
 
     node: TreeNode  # deepest locked node (the root when nothing matched)
     device_indices: np.ndarray  # L1 pages of the whole prefix; valid once wait() returns
@@ -83,7 +81,7 @@ class LoadHandle:
         return all(op.ok is not None for op in self.waits)
 
     async def wait(self) -> None:
-        """Until every copy the prefix depends on has finished; raises LoadBackError if one failed."""
+        """Until the prefix's copies finish; LoadBackError if one failed."""
         if self.waits:
             done, _ = await asyncio.wait([asyncio.wrap_future(op.future) for op in self.waits])
             for f in done:
@@ -94,7 +92,7 @@ class LoadHandle:
             raise LoadBackError(f"load-back of a {self.prefix_tokens}-token prefix failed")
 
     def take_pages(self) -> np.ndarray:
-        """Prefix pages followed by the delta pages; the delta pages now belong to the caller (for insert)."""
+        """Prefix pages, then the delta pages, which now belong to the caller."""
         prefix, delta = self.device_indices, self.delta_pages
         pages = np.concatenate((prefix, delta)) if len(prefix) else delta  # a miss: the delta is all the caller's
         self.delta_pages = NO_PAGES
@@ -103,8 +101,6 @@ class LoadHandle:
 
 @dataclass(frozen=True)
 class FlushOutcome:
-    """What ``flush_settled`` dropped and what stayed cached."""
-
     dropped_tokens: int
     kept_tokens: int  # on a node still locked: a running request's prefix, or a copy outlasting the wait
     copies_waited_for: int  # copies in flight when the flush was asked

@@ -315,8 +315,7 @@ class HierarchicalCache:
     # -- eviction ---------------------------------------------------------------------------------------------------
 
     def evict_device(self, n_pages: int) -> int:
-        """Release at least ``n_pages`` L1 pages (exactly under SLRU) in one batch; returns how many. Victims
-        on L2 stay there, write_back demotes L1-only ones, the rest leave."""
+        """Release at least ``n_pages`` L1 pages (exactly under SLRU) in one batch; returns how many."""
         tree = self.tree
         write_back = self.writes.demotes
         demote = PendingCopy("backup", nodes=[], locked=[]) if write_back else None
@@ -386,7 +385,7 @@ class HierarchicalCache:
         return dropped
 
     async def flush_settled(self, timeout_s: float) -> FlushOutcome:
-        """``flush`` after waiting up to ``timeout_s`` for the copies, whose locks keep prefixes."""
+        """``flush`` once the copies in flight land, or after ``timeout_s``."""
         waited_for = len(self.copies)
         if self.copies:
             await asyncio.wait([asyncio.wrap_future(f) for f in self.copies.futures()], timeout=timeout_s)

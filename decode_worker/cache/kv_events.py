@@ -1,7 +1,4 @@
-"""KV events: which pages this worker holds on which tier, in vLLM's format, for KV-aware routers (README, "KV
-events for KV-aware routers"). ``TreeEvents`` turns a node's tier change into one event for ``emit`` (a
-non-blocking put), so the cache does no I/O.
-"""
+"""KV events for KV-aware routers (README), vLLM's format: a tier change is one non-blocking ``emit``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,7 +22,7 @@ class BlockStored:
     medium: str
 
     def wire(self) -> list:
-        """vLLM's msgspec ``array_like`` form: the tag, then every field in order (lora fields as nil)."""
+        """msgspec ``array_like``: the tag, then every field in order."""
         return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None,
                 self.medium, None]
 
@@ -49,13 +46,13 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def block_hash(hex_digest: str) -> int:
-    """The event hash of a page: the first 8 bytes of its hex SHA-256 digest, big-endian, signed 64-bit."""
+    """A page's event hash: its digest's first 8 bytes, big-endian, signed."""
     value = int(hex_digest[:16], 16)
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class HashedTree(Protocol):
-    """What the events read of the tree: its root, its page size and each node's chained page hashes."""
+    """What the events read of the tree."""
 
     root: TreeNode
     page_size: int
@@ -64,7 +61,7 @@ class HashedTree(Protocol):
 
 
 class TreeEvents:
-    """What ``RadixTree`` calls as nodes gain or lose a tier (None on the tree when events are off)."""
+    """What ``RadixTree`` calls as nodes gain or lose a tier."""
 
     def __init__(self, tree: HashedTree, emit: Callable[[KVEvent], None]):
         self.tree = tree

@@ -1,6 +1,5 @@
-"""The radix tree's node, its keys (token ids packed as int32 little-endian bytes) and its page hashes (chained
-SHA-256 seeded with the KV layout's fingerprint: the names of pages in L3 and KV events). The cache's bottom layer.
-"""
+"""The tree node, its keys (int32 LE token ids) and page hashes (chained SHA-256 seeded with the layout's
+fingerprint)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +17,7 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor | Key
 
 
 def token_key(tokens: Tokens) -> Key:
-    """The tree key of a token sequence (packed keys pass through); build it once per request."""
+    """The tree key of a token sequence (a key passes through)."""
     if isinstance(tokens, bytes):
         return tokens
     if isinstance(tokens, torch.Tensor):
@@ -30,7 +29,7 @@ def token_key(tokens: Tokens) -> Key:
 
 @dataclass(eq=False, slots=True)
 class TreeNode:
-    """A run of whole pages and where their KV lives: L1 page ids, L2 page ids, or both."""
+    """A run of whole pages and where their KV lives: L1, L2 or both."""
 
     key: Key  # this node's run of whole pages
     parent: TreeNode | None = None
@@ -62,7 +61,7 @@ class TreeNode:
 
 
 def chain_hashes(key: Key, page_size: int, prev: bytes) -> list[bytes]:
-    """SHA-256 per whole page, each over the previous page's digest and the page's int32 LE token ids."""
+    """Per whole page, SHA-256 over the previous digest and the page's key."""
     step = page_size * TOKEN_BYTES
     out = []
     for start in range(0, len(key) - step + 1, step):

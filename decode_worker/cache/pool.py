@@ -1,8 +1,4 @@
-"""Paged KV storage and the page allocator shared by L1 (device) and L2 (host).
-
-Both tiers use one page-major layout, ``buffer[page, layer, kv, slot, kv_head, head_dim]``: a page is one
-contiguous run of ``page_bytes``, one copy between tiers, one descriptor between PD peers, one L3 record.
-"""
+"""Paged KV pools, page-major so that a page is one contiguous run, and the page allocator."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +12,7 @@ from decode_worker.core.shared_memory import SharedFile, shared_zeros
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Everything two parties must agree on before exchanging KV pages."""
+    """What two parties must agree on to exchange KV pages."""
 
     model_id: str
     num_layers: int
@@ -27,17 +23,14 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """``[layer, kv, slot, kv_head, head_dim]``: one page."""
         return self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim
 
     def pages_shape(self, num_pages: int) -> tuple[int, ...]:
-        """``[page, layer, kv, slot, kv_head, head_dim]``: a pool of ``num_pages``, or the staging blob of that many."""
         return num_pages, *self.page_shape
 
     def describe(self) -> dict[str, object]:
@@ -52,23 +45,21 @@ class KVLayout:
         }
 
     def fingerprint(self) -> str:
-        """Stable hex digest of the layout; seeds storage keys and is checked in the PD handshake."""
+        """Seeds L3 keys; checked in the PD handshake."""
         text = ";".join(f"{k}={v}" for k, v in sorted(self.describe().items()))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def differences(self, other: dict[str, object]) -> list[str]:
-        """Human-readable list of fields where ``other`` (a ``describe()`` dict) differs from us."""
         mine = self.describe()
         return [f"{k}: ours={mine[k]!r} theirs={other.get(k)!r}" for k in mine if other.get(k) != mine[k]]
 
 
 class KVPool:
-    """Fixed-size paged KV buffer. Page 0 of a device pool is a scratch page (padding writes go there)."""
+    """A fixed paged KV buffer; a device pool's page 0 takes padding writes."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", pin_memory: bool = False,
                  shared: bool = False):
-        """``shared``: a host pool other processes on this host may map (a prefill's, for its decode peers);
-        ``self.shared`` is then its sealed memory file."""
+        """``shared``: mappable by other processes on this host (``self.shared``)."""
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
@@ -86,20 +77,19 @@ class KVPool:
         return self.layout.page_size
 
     def k_pages(self, layer: int) -> torch.Tensor:
-        """Page-addressed view ``[num_pages, page_size, kv_heads, head_dim]`` of layer K; kernels must index it
-        through its strides (a page stride is a whole page)."""
+        """Layer K as ``[num_pages, page_size, kv_heads, head_dim]``; index it through its strides."""
         return self.buffer[:, layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
         return self.buffer[:, layer, 1]
 
     def page_data(self, pages: torch.Tensor | list[int] | int) -> torch.Tensor:
-        """A copy of the bytes of ``pages``: ``[n, layer, kv, slot, kv_head, head_dim]``, or one page for an int."""
+        """A copy of ``pages``."""
         return self.buffer[torch.as_tensor(pages, dtype=torch.int64, device=self.device)]
 
 
 class OutOfPages(RuntimeError):
-    """Raised when an allocation cannot be satisfied; the caller evicts or rejects."""
+    """An allocation that cannot be met; it took nothing."""
 
 
 FREE = -1  # ``PageAllocator._state`` of a page that is not handed out
@@ -108,7 +98,7 @@ RESERVED = -3  # ...of one never handed out
 
 
 class PageAllocator:
-    """All-or-nothing allocator that refuses a double free; ``reserved`` leading pages are never handed out."""
+    """All-or-nothing; refuses a double free; never hands out the ``reserved`` first pages."""
 
     def __init__(self, num_pages: int, reserved: int = 0):
         if num_pages <= reserved:
@@ -126,7 +116,6 @@ class PageAllocator:
 
     @property
     def total(self) -> int:
-        """Usable pages (excludes reserved ones)."""
         return self.num_pages - self.reserved
 
     @property
@@ -138,12 +127,10 @@ class PageAllocator:
         return self.total - self._top
 
     def in_use(self, page: int) -> bool:
-        """``page`` is handed out now (a test's view: a write may only land on such a page)."""
         return bool(self._state[page] == IN_USE)
 
     def alloc(self, n: int) -> np.ndarray:
-        """Return ``n`` page ids (int64, ascending from the lowest free page) or raise OutOfPages, taking
-        nothing."""
+        """``n`` page ids, or OutOfPages taking nothing."""
         if n > self._top:
             raise OutOfPages(f"need {n} pages, {self._top} free")
         pages = self._stack[self._top - n : self._top][::-1].copy()
@@ -152,7 +139,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages: PageIds) -> None:
-        """Return pages; raises, freeing none of them, if one is not in use or is listed twice."""
+        """Free pages; raises, freeing none, if one is not in use or listed twice."""
         idx = page_ids(pages)
         n = len(idx)
         if n <= 1:
@@ -174,7 +161,6 @@ class PageAllocator:
         self._top += n
 
     def _free_one(self, page: int) -> None:
-        """``free`` of a single page, with the same checks."""
         if not 0 <= page < self.num_pages or self._state.item(page) != IN_USE:
             raise RuntimeError(f"double free or foreign pages: {[page]}")
         self._state[page] = FREE
@@ -187,7 +173,7 @@ NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 def page_ids(pages: PageIds) -> np.ndarray:
-    """Page ids as the cache keeps them end to end: an int64 numpy array (lists and tensors convert here)."""
+    """Page ids as the cache keeps them: int64 numpy."""
     if type(pages) is np.ndarray and pages.dtype == np.int64:
         return pages
     if isinstance(pages, torch.Tensor):
@@ -196,5 +182,5 @@ def page_ids(pages: PageIds) -> np.ndarray:
 
 
 def cat_pages(parts: list[np.ndarray]) -> np.ndarray:
-    """Page id arrays end to end (no copy for one part; an empty array for none)."""
+    """Page id arrays joined."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_PAGES

@@ -1,6 +1,4 @@
-"""What the scheduler uses of the KV cache, as protocols, and ``NoPrefixReuse`` for a worker without prefix
-reuse, so the scheduler runs the same code either way.
-"""
+"""The scheduler's view of the cache, and ``NoPrefixReuse`` for a worker without reuse."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, TypeGuard
@@ -18,20 +16,16 @@ if TYPE_CHECKING:
 
 
 class PrefixCache(Protocol):
-    """The scheduler's view: match and lock a prefix, share and insert computed pages, L1 pages for growth."""
+    """The scheduler's view of the cache."""
 
     @property
     def storage(self) -> StorageTier | None: ...
 
     @property
-    def device_alloc(self) -> PageAllocator:
-        """L1's allocator; the scheduler reads its ``total`` (what a request must fit in)."""
-        ...
+    def device_alloc(self) -> PageAllocator: ...
 
     @property
-    def busy(self) -> bool:
-        """Copies are in flight: the scheduler keeps polling until they land."""
-        ...
+    def busy(self) -> bool: ...
 
     def match(self, tokens: Tokens) -> MatchResult: ...
 
@@ -55,7 +49,7 @@ class PrefixCache(Protocol):
 
 
 class PrefetchCache(PrefixCache, Protocol):
-    """What the L3 lookahead uses besides: L2 pages for a prefetch, and attaching what arrived to the tree."""
+    """What the L3 lookahead uses besides."""
 
     @property
     def storage(self) -> StorageTier: ...
@@ -73,12 +67,12 @@ class PrefetchCache(PrefixCache, Protocol):
 
 
 def has_storage(cache: PrefixCache) -> TypeGuard[PrefetchCache]:
-    """A cache with an L3 tier offers the prefetch calls too (only a ``HierarchicalCache`` has one)."""
+    
     return cache.storage is not None
 
 
 class NoPrefixReuse:
-    """Matches nothing and frees what it would insert (radix cache off); the rest goes to the wrapped cache."""
+    """Matches nothing and frees what it would insert; the rest goes to the wrapped cache."""
 
     storage = None  # L3 storage needs the radix cache (the flags say so)
 
@@ -103,7 +97,7 @@ class NoPrefixReuse:
         return handle, page_ids(pages)  # nothing is shared: the request keeps its pages
 
     def insert(self, tokens: Tokens, device_pages: PageIds, *, backup: bool = False) -> int:
-        """Free the pages ``HierarchicalCache.insert`` would have taken (one per full page of ``tokens``)."""
+        """Free the pages ``HierarchicalCache.insert`` would take."""
         full = len(token_key(tokens)) // TOKEN_BYTES // self.cache.page_size
         self.cache.free_device(device_pages[:full])
         return 0

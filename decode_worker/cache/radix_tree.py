@@ -1,6 +1,4 @@
-"""Page-granular radix tree over packed token keys: structure, tiers, locks, access stats, and the page
-counts and evictable leaves budget checks read without a walk.
-"""
+"""The page-granular radix tree, with counters that spare budget checks a walk."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +13,7 @@ from decode_worker.core.sequence import TOKEN_BYTES
 
 
 class RadixTree:
-    """Structure, tiers and locks of the cached prefixes, with page counters for budget checks."""
+    """Structure, tiers and locks of the cached prefixes."""
 
     def __init__(self, page_size: int, hash_seed: str = "", rank: RankKey = lambda n: (n.last_access,)):
         self.page_size = page_size
@@ -38,8 +36,7 @@ class RadixTree:
         return len(node.key) // self.page_bytes
 
     def match(self, key: Key) -> tuple[list[TreeNode], int]:
-        """Longest page-aligned path spelling a prefix of ``key``, regardless of tiers: ``(path, tail_pages)``, the
-        last node matching only its first ``tail_pages`` pages."""
+        """Longest path spelling a prefix of ``key``, any tier: ``(path, pages of the last node matched)``."""
         pb = self.page_bytes
         end = len(key) - len(key) % pb
         node, pos, path = self.root, 0, []
@@ -56,7 +53,6 @@ class RadixTree:
         return path, (self.num_pages(path[-1]) if path else 0)
 
     def _common_pages(self, node_key: Key, key: Key, pos: int, end: int) -> int:
-        """Leading pages of ``node_key`` equal to ``key[pos:end]``; the first page is known to match."""
         pb = self.page_bytes
         hi = min(len(node_key), end - pos) // pb
         if key.startswith(node_key[: hi * pb], pos):
@@ -71,7 +67,7 @@ class RadixTree:
         return lo
 
     def nodes(self) -> Iterator[TreeNode]:
-        """All nodes except the root, parents before children."""
+        """All but the root, parents first."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -87,11 +83,10 @@ class RadixTree:
         return out
 
     def unlocked_tops(self) -> list[TreeNode]:
-        """The highest unlocked nodes: each a child of the root or of a locked node."""
         return [n for n in self.nodes() if n.lock_ref == 0 and (n.parent is self.root or n.parent.lock_ref > 0)]
 
     def highest_gap(self, node: TreeNode) -> TreeNode | None:
-        """The highest unlocked node in neither tier on the path from the root to ``node``, if any."""
+        """The highest unlocked tierless node above ``node``, if any."""
         gap = None
         while node is not self.root and node.parent is not None:
             if node.device_indices is None and node.host_indices is None and node.lock_ref == 0:
@@ -100,7 +95,7 @@ class RadixTree:
         return gap
 
     def page_hashes(self, node: TreeNode) -> list[str]:
-        """Hex chained hash of each page of ``node`` (computed lazily: only the L3 tier needs them)."""
+        """Each page's chained hash in hex (L3 keys), computed once."""
         if node.hashes is None:
             parent = node.parent
             prev = self.root_hash if parent is self.root else bytes.fromhex(self.page_hashes(parent)[-1])
@@ -108,7 +103,7 @@ class RadixTree:
         return node.hashes
 
     def hashes_past(self, key: Key, last: TreeNode | None, tail: int, hit: int) -> list[str]:
-        """L3 keys of the whole pages of ``key`` from page ``hit`` on (the hit ends at page ``tail`` of ``last``)."""
+        """L3 keys of ``key``'s whole pages from page ``hit`` (page ``tail`` of ``last``) on."""
         pb = self.page_bytes
         if hit * pb + pb > len(key):
             return []
@@ -116,8 +111,8 @@ class RadixTree:
         return [h.hex() for h in chain_hashes(key[hit * pb :], self.page_size, prev)]
 
     def attach_point(self, key: Key) -> tuple[TreeNode, int, tuple[TreeNode, int] | None]:
-        """Where pages past the cached part of ``key`` would hang: the deepest matching node, pages matched (-1
-        when a tierless node holds the spot), and the split to make first, if any."""
+        """Where pages past ``key``'s cached part hang: parent, pages matched (-1 past a tierless node), split
+        to make first."""
         path, tail = self.match(key)
         parent, have, cut = self.root, 0, None
         for i, node in enumerate(path):
@@ -132,7 +127,7 @@ class RadixTree:
     # -- structure ------------------------------------------------------------------------------------------
 
     def touch(self, node: TreeNode, hit: bool = False) -> None:
-        """Mark the path to ``node`` used now (LRU) and, for a cache hit, count it (LFU, selective backup)."""
+        """Mark the path to ``node`` used now and, on a hit, count it."""
         self.clock += 1
         while node is not self.root:
             node.last_access = self.clock
@@ -148,7 +143,6 @@ class RadixTree:
         return node
 
     def add_host_child(self, parent: TreeNode, key: Key, host_indices: np.ndarray) -> TreeNode:
-        """A new host-only node below ``parent`` (pages that arrived from L3)."""
         self.clock += 1
         node = TreeNode(key=key, parent=parent, last_access=self.clock)
         parent.children[key[: self.page_bytes]] = node
@@ -156,7 +150,7 @@ class RadixTree:
         return node
 
     def split(self, node: TreeNode, pages: int) -> TreeNode:
-        """Cut ``node`` after ``pages`` pages; the returned new node holds the head and becomes its parent."""
+        """Cut ``node`` after ``pages`` pages; returns the head, its new parent."""
         assert 0 < pages < self.num_pages(node)
         pb = self.page_bytes
         cut = pages * pb
@@ -186,8 +180,7 @@ class RadixTree:
         return head
 
     def cut_device_tail(self, node: TreeNode, keep: int) -> np.ndarray | None:
-        """Cut ``node``'s L1 pages past ``keep`` off in place and return them (only an unlocked L1-only leaf with
-        no copy and no event listener; else None)."""
+        """Cut an unlocked L1-only leaf with no copy or listener to ``keep`` pages; the cut pages, else None."""
         assert 0 < keep < self.num_pages(node)
         if (node.children or node.lock_ref or node.host_indices is not None or node.loading is not None
                 or node.saving is not None or self.events is not None):
@@ -204,7 +197,7 @@ class RadixTree:
         return pages[keep:]
 
     def remove(self, node: TreeNode) -> None:
-        """Detach a node and its subtree, whose pages were already released; detached nodes have no parent."""
+        """Detach a subtree whose pages are released; detached nodes have no parent."""
         parent = node.parent
         del parent.children[node.key[: self.page_bytes]]
         for n in self.subtree(node) if node.children else (node,):
@@ -271,7 +264,7 @@ class RadixTree:
     # -- locks ------------------------------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors against eviction from either tier."""
+        """Pin ``node`` and its ancestors."""
         while node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
@@ -299,7 +292,7 @@ class RadixTree:
             node = node.parent
 
     def _count_host(self, node: TreeNode, sign: int, lock_ref: int | None = None) -> None:
-        """Add (``sign`` +1) or take out (-1) ``node``'s L2 pages from the counters by its state (or ``lock_ref``)."""
+        """Count ``node``'s L2 pages in (``sign`` 1) or out (-1)."""
         if node.host_indices is None:
             return
         k = sign * len(node.host_indices)
@@ -311,17 +304,17 @@ class RadixTree:
     # -- evictable leaves -------------------------------------------------------------------------------------
 
     def device_evictable(self, node: TreeNode) -> bool:
-        """L1 may give ``node`` up now: on L1, unlocked, no child on L1 (L1 nodes are closed under ancestors)."""
+        """On L1, unlocked, no child on L1."""
         return (node.device_indices is not None and node.lock_ref == 0
                 and (not node.children or not any(c.device_indices is not None for c in node.children.values())))
 
     def host_evictable(self, node: TreeNode) -> bool:
-        """L2 may give ``node`` up now: only on L2, unlocked, a leaf, and no copy writing its L2 pages."""
+        """Only on L2, unlocked, a leaf, no copy writing it."""
         return (node.host_indices is not None and node.device_indices is None and node.lock_ref == 0
                 and not node.children and node.saving is None)
 
     def refresh(self, node: TreeNode) -> None:
-        """File ``node`` in or out of each tier's evictable leaves after its lock or copies changed."""
+        """Re-file ``node`` in the evictable leaves after its lock or copies changed."""
         self._file(self.device_leaves, node, self.device_evictable(node))
         self._file(self.host_leaves, node, self.host_evictable(node))
 

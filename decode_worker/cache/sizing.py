@@ -1,5 +1,4 @@
-"""Size the L1 and L2 pools from the flags, refusing at start with a clear message what would not fit.
-"""
+"""L1 and L2 pool sizes from the flags; what would not fit is refused at start."""
 from __future__ import annotations
 
 import torch
@@ -12,15 +11,15 @@ GB = 10**9  # SGLang's --hicache-size unit
 
 
 class InsufficientHostMemory(RuntimeError):
-    """The requested L2 pool does not fit in this host's available memory."""
+    """The L2 pool does not fit in memory."""
 
 
 class InsufficientDeviceMemory(RuntimeError):
-    """The copy engine's device staging does not fit next to the L1 pool and the model."""
+    """The copy engine's device staging does not fit."""
 
 
 def staging_bytes(cuda_available: bool | None = None) -> int:
-    """Host (and as much device) memory the copy engine's staging takes: none unless L1 is on CUDA."""
+    """Host (and as much device) memory for copy staging; none off CUDA."""
     return STAGING_BYTES if (torch.cuda.is_available() if cuda_available is None else cuda_available) else 0
 
 
@@ -41,8 +40,7 @@ def host_pool_pages(
     headroom_bytes: int = 2 * 1024**3,
     cuda_available: bool | None = None,
 ) -> int:
-    """Pages of the L2 pool: ``size_gb`` if given, else ``ratio`` times L1. Raises
-    ``InsufficientHostMemory`` when it, the staging and ``headroom_bytes`` exceed the memory available now."""
+    """``size_gb`` if given, else ``ratio`` times L1, if that fits with staging and headroom."""
     if size_gb is not None:
         if size_gb <= 0:
             raise ValueError(f"--disaggregation-decode-hicache-size must be positive, got {size_gb}")
@@ -69,8 +67,7 @@ def host_pool_pages(
 
 def make_host_pool(layout: KVLayout, num_pages: int, device_pool: KVPool, cuda_available: bool | None = None,
                    device_free_bytes: int | None = None) -> KVPool:
-    """The L2 pool, pinned in place when L1 is on CUDA; raises ``InsufficientDeviceMemory`` first when the
-    copy engine's device staging would not fit."""
+    """The L2 pool, pinned when L1 is on CUDA, once the device staging fits."""
     if device_pool.device.type == "cuda":
         free = torch.cuda.mem_get_info(device_pool.device)[0] if device_free_bytes is None else device_free_bytes
         if free < STAGING_BYTES:
@@ -89,8 +86,7 @@ MEM_FRACTION_STATIC = 0.85  # the --mem-fraction-static default
 def device_pool_tokens(model, page_size: int, dtype: torch.dtype, mem_fraction_static: float = MEM_FRACTION_STATIC,
                        device: torch.device | str | None = None, free_bytes: int | None = None,
                        total_bytes: int | None = None) -> int:
-    """L1 tokens on CUDA without ``--max-total-tokens``: weights plus pool within ``mem_fraction_static``
-    of the device (as SGLang sizes it). Call after the weights are loaded; one page is the runner's scratch."""
+    """L1 tokens on CUDA: weights plus pool within ``mem_fraction_static`` of the device (after loading)."""
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static must be between 0 and 1, got {mem_fraction_static}")
     layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
@@ -113,8 +109,7 @@ HOST_L1_SHARE = 1 / 16  # most of the available memory an unsized CPU L1 takes
 
 
 def host_device_pool_tokens(model, page_size: int, dtype: torch.dtype, available_bytes: int | None = None) -> int:
-    """L1 tokens on CPU without ``--max-total-tokens``: ``HOST_CONTEXTS`` contexts of the model,
-    capped at ``HOST_L1_SHARE`` of the available memory, never under one context."""
+    """L1 tokens on CPU: ``HOST_CONTEXTS`` contexts, at most ``HOST_L1_SHARE`` of memory, at least one."""
     layout = KVLayout("sizing", model.num_layers, model.num_kv_heads, model.head_dim, page_size, dtype)
     have = mem_available_bytes() if available_bytes is None else available_bytes
     token_bytes = layout.page_bytes / page_size

@@ -1,6 +1,4 @@
-"""What the cache reports: pages per tier and state, token counters, the L3 tier's figures. ``to_dict()`` is
-the ``cache`` object of ``/server_info``: its keys and nesting are API.
-"""
+"""What the cache reports; ``to_dict()`` is ``/server_info``'s ``cache`` object, whose shape is API."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -8,8 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class TierPages:
-    """Pages of one tier by state: free + used + evictable + locked = total. ``used``: allocated but not
-    evictable (request pages, drains, L2 copies of L1 nodes, prefetch pages); ``locked``: tree pages held."""
+    """One tier's pages: free + used + evictable + locked = total (docs/architecture.md says what each holds)."""
 
     total: int
     free: int
@@ -25,7 +22,7 @@ class TierPages:
 
 @dataclass(frozen=True)
 class StorageStats:
-    """The L3 tier: its backend, whether its circuit is open, token counters and failures per op and reason."""
+    """The L3 tier's backend, circuit, token counters and failures."""
 
     backend: str
     down: bool
@@ -37,7 +34,7 @@ class StorageStats:
 
 @dataclass
 class CacheCounters:
-    """Monotonic token counters per tier; the cache updates them in place, ``stats()`` hands out a copy."""
+    """Monotonic token counters; ``stats()`` hands out a copy."""
 
     cached_device: int = 0  # prompt tokens served from L1
     cached_host: int = 0  # prompt tokens restored from L2
@@ -57,7 +54,7 @@ class CacheCounters:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """One snapshot: L1 pages, L2 pages and L3 figures (None without that tier)."""
+    """One snapshot (None for a tier not present)."""
 
     device: TierPages
     tokens: CacheCounters
@@ -65,11 +62,9 @@ class CacheStats:
     storage: StorageStats | None = None
 
     def tiers(self) -> dict[str, TierPages]:
-        """The page tiers present, L1 first."""
         return {"device": self.device} | ({"host": self.host} if self.host is not None else {})
 
     def to_dict(self) -> dict:
-        """The ``/server_info`` ``cache`` object: device, host (with an L2), storage (with an L3), tokens."""
         out: dict = {name: asdict(pages) for name, pages in self.tiers().items()}
         if self.storage is not None:
             out["storage"] = asdict(self.storage)

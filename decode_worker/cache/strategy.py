@@ -1,6 +1,4 @@
-"""The cache's two policies as strategies: the write policy (when an L1 page gets its L2 copy) and the eviction
-order; ``LeafHeap`` keeps a tier's evictable leaves in that order.
-"""
+"""The write policy and eviction order as strategies; ``LeafHeap`` keeps evictable leaves in order."""
 from __future__ import annotations
 
 import heapq
@@ -17,22 +15,22 @@ COMPACT_SLACK = 64  # stale heap entries tolerated beyond twice the members befo
 
 @dataclass(frozen=True)
 class WriteStrategy:
-    """When the cache starts an L1 -> L2 copy; every answer is no without an L2."""
+    """When to start an L1 -> L2 copy (never without L2)."""
 
     policy: WritePolicy
     has_host: bool
 
     def on_insert(self, forced: bool = False) -> bool:
-        """Back up newly cached pages? Under write_through, or when ``forced`` (a retraction)."""
+        """Under write_through, or when ``forced``."""
         return self.has_host and (forced or self.policy == WritePolicy.WRITE_THROUGH)
 
     def on_hit(self, hit_count: int) -> bool:
-        """Back up a node on L1 just hit ``hit_count`` times? Under write_through_selective, from its second hit."""
+        """Under write_through_selective, from the second hit."""
         return self.has_host and self.policy == WritePolicy.WRITE_THROUGH_SELECTIVE and hit_count >= SELECTIVE_HITS
 
     @property
     def demotes(self) -> bool:
-        """Does an eviction copy an L1-only victim to L2 (write_back) rather than drop it?"""
+        """Under write_back, an L1-only victim goes to L2."""
         return self.has_host and self.policy == WritePolicy.WRITE_BACK
 
 
@@ -50,21 +48,19 @@ def _lru(node: TreeNode) -> tuple:
 
 @dataclass(frozen=True)
 class EvictionOrder:
-    """``rank``: least worth keeping first, a key that only grows with use. ``partial``: a victim gives up
-    only the pages still needed (its tail), so a shared prefix is not evicted whole for a few pages."""
+    """``rank``: least worth keeping first; only grows with use. ``partial``: a victim gives up only the
+    pages still needed."""
 
     policy: EvictionPolicy
     rank: RankKey
     partial: bool
 
     def pages_to_give(self, node_pages: int, need: int) -> int:
-        """How many of a victim's ``node_pages`` pages to give up when ``need`` more are wanted."""
         return min(node_pages, need) if self.partial else node_pages
 
 
 def eviction_order(policy: EvictionPolicy) -> EvictionOrder:
-    """SLRU: never-hit nodes, then hit ones, least recent first, victims cut to what is needed; LRU; LFU
-    (least hit, then least recent). The last two give up whole leaves."""
+    """SLRU (partial), LRU or LFU (docs/architecture.md)."""
     if policy == EvictionPolicy.SLRU:
         return EvictionOrder(policy, _slru, partial=True)
     if policy == EvictionPolicy.LFU:
@@ -73,7 +69,7 @@ def eviction_order(policy: EvictionPolicy) -> EvictionOrder:
 
 
 class LeafHeap:
-    """The members (nodes the tier may give up now) and a lazy min-heap over them by ``rank``."""
+    """The nodes a tier may give up now, in a lazy min-heap by ``rank``."""
 
     def __init__(self, rank: RankKey):
         self.rank = rank
@@ -92,7 +88,7 @@ class LeafHeap:
                 self._compact()
 
     def pop(self) -> TreeNode | None:
-        """Take out and return the first member by ``rank`` (None when there is none)."""
+        """Take out the first member by ``rank``, or None."""
         heap = self._heap
         while heap:
             key, _, node = heap[0]

@@ -1,4 +1,4 @@
-"""L3 storage tier: page records in a folder or a Redis / Valkey server, behind the StorageTier the cache calls."""
+"""The L3 tier: page records in a folder or on Redis / Valkey, behind ``StorageTier``."""
 from __future__ import annotations
 
 import os
@@ -21,6 +21,6 @@ __all__ = [
 
 
 def default_folder() -> Path:
-    """Where the file backend keeps pages when no --hicache-storage-url is given."""
+    """The file backend's folder without --hicache-storage-url."""
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "decode-worker" / "kv"

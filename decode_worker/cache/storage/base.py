@@ -1,11 +1,4 @@
-"""The L3 store interface and the self-checking page record every backend stores.
-
-A store maps a page key (hex chained SHA-256, ``node.py``) to one record. Stores are shared and dumb, so a record
-is trusted only once ``decode_record`` checked it; one that fails is a miss, never KV. Layout (little endian)::
-
-    magic "DWKV" | version u16 | reserved u16 | layout fingerprint 16 B | page key 32 B | payload length u64
-    | crc32 u32 (over the payload and every field before it) | payload: the page in the pool dtype
-"""
+"""The L3 store interface and the self-checking page record; one failing ``decode_record`` is a miss."""
 from __future__ import annotations
 
 import errno
@@ -15,7 +8,9 @@ from abc import ABC, abstractmethod
 
 MAGIC = b"DWKV"
 VERSION = 1
-_HEAD = struct.Struct("<4sHH16s32sQ")  # everything the checksum covers besides the payload
+# A record: magic, version, reserved, layout fingerprint, page key, payload length (_HEAD), then a crc32 over
+# _HEAD and the payload (_CRC), then the payload: the page's bytes in the pool dtype. Little endian.
+_HEAD = struct.Struct("<4sHH16s32sQ")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEAD.size + _CRC.size
 
@@ -24,7 +19,7 @@ SHORT, CORRUPT, FOREIGN = "short", "corrupt", "foreign"
 
 
 class RecordError(ValueError):
-    """A stored record that must not be loaded; ``reason`` is SHORT, CORRUPT or FOREIGN."""
+    """A record not to load; ``reason``: SHORT, CORRUPT or FOREIGN."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -32,7 +27,7 @@ class RecordError(ValueError):
 
 
 def seal_record(record: bytearray | memoryview, key: str, fingerprint: str) -> None:
-    """Write the header of ``record`` (HEADER_BYTES + payload already in place, so a page is copied once)."""
+    """Write the header before the payload already in ``record``."""
     view = memoryview(record)
     payload = view[HEADER_BYTES:]
     head = _HEAD.pack(MAGIC, VERSION, 0, bytes.fromhex(fingerprint), bytes.fromhex(key), len(payload))
@@ -41,7 +36,6 @@ def seal_record(record: bytearray | memoryview, key: str, fingerprint: str) -> N
 
 
 def encode_record(key: str, fingerprint: str, payload: bytes | memoryview) -> bytearray:
-    """A record holding a copy of ``payload`` (the page's bytes; see the module docstring for the layout)."""
     record = bytearray(HEADER_BYTES + len(payload))
     record[HEADER_BYTES:] = payload
     seal_record(record, key, fingerprint)
@@ -49,8 +43,7 @@ def encode_record(key: str, fingerprint: str, payload: bytes | memoryview) -> by
 
 
 def decode_record(record: bytes, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
-    """The payload of ``record`` if it is an intact page of ``key`` in our layout, else RecordError: ``short``,
-    damaged, or ``foreign`` (checks out but names another layout)."""
+    """The payload if ``record`` is an intact page of ``key`` in our layout, else RecordError."""
     if len(record) < HEADER_BYTES:
         raise RecordError(SHORT, f"{len(record)} bytes, the header alone is {HEADER_BYTES}")
     magic, version, _, fp, rec_key, length = _HEAD.unpack_from(record)
@@ -73,28 +66,28 @@ def decode_record(record: bytes, key: str, fingerprint: str, payload_bytes: int)
 
 
 class StoreBackend(ABC):
-    """Async key -> record store. Any method may raise; the StorageTier turns that into a counted miss."""
+    """Async key -> record store; what raises is a counted miss."""
 
     name: str
 
     @abstractmethod
     async def exists(self, keys: list[str]) -> int:
-        """How many of ``keys``, from the first, are present (consecutive hits; the first absent key ends it)."""
+        """How many of ``keys``, from the first, are present."""
 
     @abstractmethod
     async def get(self, keys: list[str]) -> list[bytes | None]:
-        """The record stored under each key, None where absent. Records are unverified."""
+        """Each key's record (unverified), None where absent."""
 
     @abstractmethod
     async def put(self, keys: list[str], records: list[memoryview]) -> None:
-        """Store records; a key already present may keep its record (keys are content addresses)."""
+        """Store records; a present key may keep its own (keys address content)."""
 
     @abstractmethod
     async def delete(self, keys: list[str]) -> None:
-        """Remove keys (records that failed verification, so a later backup can rewrite them)."""
+        """Remove keys (failed records)."""
 
     def failure_reason(self, exc: Exception) -> str:
-        """Label for a failed call: ``down``, ``timeout``, ``full`` or ``error``."""
+        """``down``, ``timeout``, ``full`` or ``error``."""
         if isinstance(exc, TimeoutError):
             return "timeout"
         if isinstance(exc, ConnectionError):
@@ -104,4 +97,4 @@ class StoreBackend(ABC):
         return "error"
 
     async def close(self) -> None:
-        """Release connections; the default has none."""
+        """Release connections (none by default)."""

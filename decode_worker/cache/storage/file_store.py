@@ -1,6 +1,5 @@
-"""File backend, the embedded default L3: one file per page, ``root/ab/abcd….page`` for key ``abcd…``, written
-to a temporary file and renamed (a reader sees all of a record or none), with a byte cap per worker kept by LRU
-(docs/architecture.md, "L3 stores"). Blocking calls run in threads.
+"""The default L3 backend: one file per page, ``root/ab/abcd….page``, renamed into place, capped by LRU
+(docs/architecture.md). Blocking calls run in threads.
 """
 from __future__ import annotations
 
@@ -96,7 +95,7 @@ class FileStore(StoreBackend):
     # -- LRU index ------------------------------------------------------------------------------------------------
 
     def _touch(self, key: str, size: int, path: Path | None = None) -> None:
-        """Mark ``key`` most recently used; with ``path``, also on disk (its mtime), so recency survives a restart."""
+        """Mark ``key`` most recent; with ``path`` also its mtime, which outlives a restart."""
         if path is not None:
             try:
                 os.utime(path)
@@ -112,7 +111,7 @@ class FileStore(StoreBackend):
             self._bytes -= self._lru.pop(key, 0)
 
     def _clean_up(self) -> None:
-        """Delete least recently used pages until the folder is back under the low watermark."""
+        """Delete least recent pages down to the low watermark."""
         victims = []
         with self._lock:
             if self._bytes <= self.max_bytes:
@@ -125,7 +124,7 @@ class FileStore(StoreBackend):
             self.path(key).unlink(missing_ok=True)
 
     def _scan(self) -> None:
-        """Index the pages a previous run left, oldest first; remove temporary files of crashed writers."""
+        """Index the pages a previous run left, oldest first; remove stray temporary files."""
         found, now = [], time.time()
         for sub in self.root.iterdir():
             if not sub.is_dir() or len(sub.name) != 2:

@@ -1,6 +1,4 @@
-"""The cache's link to its L3 tier: which L2 pages go on to L3 under the storage backup policy. It sees keys,
-page ids and hit counts, never nodes.
-"""
+"""Which L2 pages go on to L3; sees keys, page ids and hit counts, never nodes."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +12,7 @@ __all__ = ["SELECTIVE_HITS", "StorageLink"]
 
 
 class StorageLink:
-    """An L3 ``StorageTier`` fed from the L2 pool by the storage backup policy (``all`` or ``hit_twice``)."""
+    """A ``StorageTier`` fed from the L2 pool."""
 
     def __init__(self, tier: StorageTier, host_pool: KVPool, policy: StorageBackup = StorageBackup.ALL):
         self.tier = tier
@@ -22,13 +20,13 @@ class StorageLink:
         self.policy = policy
 
     def after_backup(self, hit_count: int) -> bool:
-        """Does a node whose L1 -> L2 copy just landed go on to L3?"""
+        """A node just backed up to L2 goes on to L3?"""
         return self.policy == StorageBackup.ALL or hit_count >= SELECTIVE_HITS
 
     def on_hit(self, hit_count: int) -> bool:
-        """Does a node already on L2 go to L3 on this hit? Under hit_twice, on its second."""
+        """A node on L2 goes to L3 on this hit? Under hit_twice, on its second."""
         return self.policy == StorageBackup.HIT_TWICE and hit_count == SELECTIVE_HITS
 
     def store(self, keys: list[str], host_pages: np.ndarray) -> int:
-        """Queue an L2 -> L3 backup (the tier copies the pages out of L2 before returning); pages queued."""
+        """Queue an L2 -> L3 backup (pages copied out at once); returns pages queued."""
         return self.tier.backup(keys, self.host_pool, host_pages) if keys else 0

@@ -1,5 +1,5 @@
-"""How long a request waits for its L3 -> L2 prefetch: ``best_effort`` never, ``timeout`` for
-``min(cap, base + per_1k * tokens / 1000)``, ``wait_complete`` for every page up to a hard cap.
+"""How long a request waits for its L3 prefetch: ``best_effort`` never, ``timeout`` for ``min(cap, base +
+per_1k * tokens / 1000)``, ``wait_complete`` up to a hard cap.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class PrefetchPolicy:
         object.__setattr__(self, "name", mode)
 
     def deadline_s(self, tokens: int) -> float:
-        """Seconds a request may wait for a prefetch of ``tokens`` tokens (those beyond its L1 + L2 hit)."""
+        """Seconds to wait for a prefetch of ``tokens`` tokens."""
         if self.name is PrefetchMode.BEST_EFFORT:
             return 0.0
         if self.name is PrefetchMode.WAIT_COMPLETE:

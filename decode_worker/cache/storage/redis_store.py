@@ -1,6 +1,4 @@
-"""Redis / Valkey backend: one string per page, ``dwkv:<page key>``, shared by every pod on the server (setup:
-docs/architecture.md, "L3 stores"). No retries: the tier's deadline and circuit decide.
-"""
+"""Redis / Valkey backend: one string per page, ``dwkv:<page key>``; no retries (the tier's circuit decides)."""
 from __future__ import annotations
 
 from redis import exceptions as rexc

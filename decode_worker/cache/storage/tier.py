@@ -1,6 +1,4 @@
-"""The L3 tier as the cache sees it: prefetch into L2 pages, background backup out of L2 pages. A store
-failure is a counted miss, never a request error. Event loop only; I/O and record checks run in threads.
-"""
+"""The L3 tier: prefetch into L2 pages, backup out of them; a store failure is a counted miss."""
 from __future__ import annotations
 
 import asyncio
@@ -45,16 +43,14 @@ class _BackupJob:
 
 
 def _host_bytes(pool: KVPool) -> np.ndarray:
-    """``[page, page_bytes]`` uint8 view of a host pool (no copy): a record's payload is one row."""
     return pool.buffer.view(torch.uint8).numpy().reshape(pool.num_pages, -1)
 
 
 class Prefetch:
-    """An L3 -> L2 prefetch in flight. ``arrived`` (leading pages written and verified) only grows; once
-    ``stop()`` returns nothing more is written (the fetch checks ``stopped`` itself: a cancel can be lost)."""
+    """An L3 -> L2 prefetch; ``arrived`` (leading pages verified) only grows, and nothing is written after
+    ``stop()``."""
 
     def __init__(self, keys: list[str], fetch: Callable[[Prefetch], Coroutine]):
-        """``fetch(self)``: the coroutine that writes the pages and counts them in ``arrived``."""
         self.keys = keys
         self.arrived = 0
         self.stopped = False
@@ -62,24 +58,23 @@ class Prefetch:
 
     @property
     def done(self) -> bool:
-        """Every page arrived, or the fetch stopped at a miss or failure, or ``stop()`` was called."""
         return self.stopped or self._task.done()
 
     async def wait(self, timeout_s: float | None) -> int:
-        """Wait until done or ``timeout_s`` (None: no limit) without stopping it; returns pages arrived so far."""
+        """Until done or ``timeout_s``; returns pages arrived."""
         if not self._task.done() and (timeout_s is None or timeout_s > 0):
             await asyncio.wait([self._task], timeout=timeout_s)
         return self.arrived
 
     def stop(self) -> int:
-        """Stop fetching and return the final count; host pages past it were never written by this prefetch."""
+        """Stop; returns the final count (no page past it is written)."""
         self.stopped = True
         self._task.cancel()
         return self.arrived
 
 
 class StorageTier:
-    """Owns a store backend; the cache calls it with page keys and L2 page ids."""
+    """A store backend, called with page keys and L2 page ids."""
 
     def __init__(
         self,
@@ -114,31 +109,29 @@ class StorageTier:
     # -- the calls the cache makes ---------------------------------------------------------------------------------
 
     async def exists(self, keys: list[str]) -> int:
-        """Pages of ``keys``, from the first, the store holds (0 when it fails; unverified until fetched)."""
+        """Leading pages of ``keys`` stored, unverified (0 on failure)."""
         if not keys:
             return 0
         found = await self._call("exists", self.backend.exists(keys))
         return 0 if found is _FAILED else found
 
     def start_prefetch(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> Prefetch:
-        """Start fetching ``keys`` into ``host_pages`` (L2, one per key) in the background."""
         host_pages = self._check(keys, host_pool, host_pages)
         return Prefetch(keys, lambda op: self._fetch(op, host_pool, host_pages))
 
     async def prefetch(
         self, keys: list[str], host_pool: KVPool, host_pages: PageIds, deadline_s: float | None
     ) -> int:
-        """Fetch until done or ``deadline_s``, then stop; returns how many leading pages arrived intact."""
+        """Fetch until done or ``deadline_s``, then stop; returns leading pages arrived."""
         op = self.start_prefetch(keys, host_pool, host_pages)
         await op.wait(deadline_s)
         return op.stop()
 
     def prefetch_deadline_s(self, tokens: int) -> float:
-        """How long a request may wait for a prefetch of ``tokens`` tokens, by the configured policy."""
         return self.policy.deadline_s(tokens)
 
     def backup(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> int:
-        """Copy L2 pages out now and store them in the background; returns pages queued (0: dropped, counted)."""
+        """Copy L2 pages out now, store them later; returns pages queued (0: dropped)."""
         host_pages = self._check(keys, host_pool, host_pages)
         if not keys:
             return 0
@@ -162,11 +155,10 @@ class StorageTier:
         return len(keys)
 
     async def flush(self) -> None:
-        """Until every queued backup is stored or dropped (tests, shutdown)."""
         await self._queue.join()
 
     async def close(self, flush_timeout_s: float = 5.0) -> None:
-        """Finish queued backups for at most ``flush_timeout_s``, then stop and release the backend."""
+        """Flush up to ``flush_timeout_s``, then release the backend."""
         try:
             await asyncio.wait_for(self.flush(), flush_timeout_s)
         except asyncio.TimeoutError:
@@ -182,7 +174,6 @@ class StorageTier:
         return time.monotonic() < self._down_until
 
     def stats(self) -> StorageStats:
-        """Token counters and failures per op and reason (``storage_failures_total{op,reason}``)."""
         failures: dict[str, dict[str, int]] = {}
         for (op, reason), n in sorted(self.failures.items()):
             failures.setdefault(op, {})[reason] = n
@@ -199,7 +190,6 @@ class StorageTier:
     # -- internals --------------------------------------------------------------------------------------------------
 
     def _check(self, keys: list[str], host_pool: KVPool, host_pages: PageIds) -> np.ndarray:
-        """``host_pages`` as the cache's page ids, once they fit ``keys`` and ``host_pool`` fits our layout."""
         if host_pool.layout != self.layout or host_pool.buffer.device.type != "cpu":
             raise ValueError(f"L3 pages move to and from a host pool of layout {self.layout}")
         host_pages = page_ids(host_pages)
@@ -208,7 +198,7 @@ class StorageTier:
         return host_pages
 
     async def _call(self, op: str, coro: Coroutine) -> Any:
-        """Await a store call under the deadline and circuit; a failure is counted and returns _FAILED."""
+        """A store call under the deadline and circuit; a failure is counted: _FAILED."""
         if self.is_down:
             coro.close()
             self.failures[op, UNAVAILABLE] += 1
@@ -255,7 +245,7 @@ class StorageTier:
                 self.prefetched_pages += 1
 
     def _verify(self, keys: list[str], records: list[bytes | None]) -> list[memoryview | str]:
-        """Payloads of the leading records that verify, then the reason the first other one does not."""
+        """Payloads of the leading records that verify, then why the next fails."""
         out: list[memoryview | str] = []
         for key, record in zip(keys, records):
             if record is None:
@@ -270,7 +260,7 @@ class StorageTier:
         return out
 
     def _reject(self, op: str, key: str, reason: str) -> None:
-        """Count an unusable page; delete a damaged one so a later backup can rewrite it."""
+        """Count an unusable page; delete a damaged one."""
         if reason == MISS:
             return
         self.failures[op, reason] += 1
