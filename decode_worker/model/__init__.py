@@ -1,1 +1,1 @@
-"""The Llama-family model, its loaders, the batch runner over paged KV, the sampler and CUDA graphs."""
+"""Llama-family model, loaders, paged-KV runner, sampler, CUDA graphs."""

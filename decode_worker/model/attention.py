@@ -1,6 +1,4 @@
-"""Paged attention over the KV pool: batched decode through the page table, extend per request; indices
-are planned once per step (``StepPlan``), not per layer.
-"""
+"""Paged attention over the KV pool; a step's indices are planned once (``StepPlan``), not per layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +15,7 @@ from decode_worker.model.forward_batch import ForwardBatch
 
 @dataclass
 class StepPlan:
-    """One step's indices, shared by every layer; ``pages``/``visible`` only for CPU decode (CUDA decode reads the
-    page table in its kernel, with no host sync, so graphs can capture it)."""
+    """One step's indices for every layer; ``pages``/``visible`` for CPU decode only."""
 
     write_rows: torch.Tensor
     context_rows: torch.Tensor | None = None
@@ -49,7 +46,7 @@ def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torc
 
 
 def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of queries ``[T, Hq, D]`` over each request's KV in the pool."""
+    """Queries ``[T, Hq, D]`` attend over each request's KV in the pool."""
     if not fb.is_decode:
         return _extend_attention(pool, layer, fb, plan, q, scale)
     if plan.pages is None:
@@ -58,7 +55,7 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.
 
 
 def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """CPU decode: pages gathered per request, one masked SDPA, q viewed per GQA group (K/V never repeated)."""
+    """CPU decode: pages gathered, one masked SDPA per GQA group."""
     batch, num_q_heads, head_dim = q.shape
     k_pages, v_pages = pool.k_pages(layer), pool.v_pages(layer)
     kv_heads = k_pages.shape[2]
@@ -72,8 +69,7 @@ def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch
 
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its prefix plus themselves, sliced by host-known
-    lengths (no device sync)."""
+    """Each request's new tokens over its prefix plus themselves (no device sync)."""
     k_ctx = slot_rows(pool.k_pages(layer))[0].index_select(0, plan.context_rows)  # [sum seq_lens, Hkv, D]
     v_ctx = slot_rows(pool.v_pages(layer))[0].index_select(0, plan.context_rows)
     out = torch.empty_like(q)
@@ -98,8 +94,8 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` over a cached prefix plus itself with a bottom-right ``CausalBias``, which keeps CUDA SDPA on its fused
-    kernels (a boolean mask falls back to math); those take no GQA, so K/V are repeated per head."""
+    """``q`` over a cached prefix plus itself; a ``CausalBias`` keeps CUDA SDPA fused (K/V repeated:
+    no GQA there)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)

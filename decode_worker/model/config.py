@@ -1,4 +1,4 @@
-"""Model hyper-parameters, read from a Hugging Face config.json or GGUF metadata."""
+"""Model hyper-parameters from a config.json or GGUF metadata."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
 class ModelLoadError(ValueError):
-    """A model path, file or config the worker cannot serve."""
+    """A model the worker cannot serve."""
 
 
 @dataclass(frozen=True)

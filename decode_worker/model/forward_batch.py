@@ -1,6 +1,4 @@
-"""The tensors one forward pass needs, packed from per-request lists into int64 arrays and built with
-whole-batch ops (row by row costs more host time than the step).
-"""
+"""One forward pass's tensors, built with whole-batch ops."""
 from __future__ import annotations
 
 from array import array
@@ -13,8 +11,7 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    """One step over B requests and T new tokens (T == B for decode); ``seq_lens`` include the new tokens,
-    ``page_table`` rows are padded with page 0."""
+    """One step over B requests and T new tokens; ``seq_lens`` include them, tables pad with page 0."""
 
     is_decode: bool
     input_ids: torch.Tensor  # [T]
@@ -42,8 +39,7 @@ class ForwardBatch:
         device: torch.device,
         all_logits: bool = False,
     ) -> "ForwardBatch":
-        """Lay out a step (decode when every request adds one token); ValueError on an empty request or too few
-        pages."""
+        """Lay out a step; ValueError on an empty request or too few pages."""
         new_lens = [len(t) for t in new_tokens]
         if not new_tokens or 0 in new_lens:
             raise ValueError("every request in a step needs at least one new token")
@@ -68,7 +64,7 @@ class ForwardBatch:
 
 
 def int_tensor(values: Iterable[int]) -> torch.Tensor:
-    """Python ints as an int64 tensor over an ``array``'s buffer (far faster than ``torch.tensor``)."""
+    """Python ints as int64 over an ``array`` (faster than ``torch.tensor``)."""
     packed = array("q", values)
     return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.zeros(0, dtype=torch.int64)
 
@@ -106,7 +102,7 @@ def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_cou
 
 
 def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For runs of ``lengths`` back to back: each element's run and its index in it."""
+    """For runs of ``lengths``: each element's run and index in it."""
     rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     return rows, torch.arange(rows.numel()) - (torch.cumsum(lengths, 0) - lengths)[rows]
 
@@ -116,7 +112,7 @@ def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, pag
 
 
 def pack_to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's tensors on ``device`` in one non-blocking pinned copy; on CPU, the host tensors themselves."""
+    """The step's tensors on ``device`` in one copy (on CPU, as they are)."""
     if device.type == "cpu":
         return host
     flat = torch.empty(sum(t.numel() for t in host.values()), dtype=torch.int64, pin_memory=device.type == "cuda")

@@ -1,6 +1,4 @@
-"""A GGUF file's metadata and tensor table in one pass, tensor bytes memory-mapped: faster than the gguf
-package's reader on large vocabularies, with its tensor shapes.
-"""
+"""A GGUF file's metadata and tensor table in one pass, tensors memory-mapped."""
 from __future__ import annotations
 
 import math
@@ -20,7 +18,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 
 
 class GGUFFormatError(ValueError):
-    """Not a GGUF file this reader understands, or cut short or inconsistent."""
+    """Not a readable GGUF file."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class GGUFFile:
 
 
 class _Cursor:
-    """Reads little-endian values from ``buf`` at ``pos``, never past its end."""
+    """Little-endian reads from ``buf``, never past its end."""
 
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
@@ -74,7 +72,7 @@ class _Cursor:
 
 
 def read_gguf(path: Path) -> GGUFFile:
-    """Parse ``path``'s header, metadata and tensor table; GGUFFormatError names what is wrong."""
+    """Parse header, metadata and tensor table."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     mapped = np.memmap(path, mode="r", dtype=np.uint8)
@@ -119,7 +117,7 @@ def read_gguf(path: Path) -> GGUFFile:
 
 def _tensor_data(mapped: np.memmap, offset: int, dims: list[int], kind: Any, sizes: tuple[int, int],
                  name: str) -> np.ndarray:
-    """The tensor's bytes shaped as the gguf package does (quantized types: bytes per row)."""
+    """A tensor's bytes shaped as the gguf package does."""
     block, type_size = sizes
     elements = math.prod(dims)
     shape = tuple(reversed(dims))

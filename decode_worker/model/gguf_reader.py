@@ -1,4 +1,4 @@
-"""A llama-architecture GGUF file: config from metadata, tensors under Hugging Face names."""
+"""A llama-architecture GGUF: config from metadata, tensors under Hugging Face names."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -68,14 +68,13 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs back to rotate-half halves)."""
+    """Undo llama.cpp's Q/K row permutation."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
-    """Every tensor under its Hugging Face name, dequantized to float32; with ``keep_q4``, packable Q4_1 layer
-    matrices as ``Q4Blocks``."""
+    """Every tensor as float32 under its HF name; with ``keep_q4``, Q4_1 layer matrices as ``Q4Blocks``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

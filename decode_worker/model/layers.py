@@ -1,4 +1,4 @@
-"""Llama-family building blocks: RMSNorm, rotary embedding (with Llama-3 scaling), attention, SwiGLU MLP."""
+"""Llama-family blocks: RMSNorm, rotary embedding, attention projections, SwiGLU MLP."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama-3 frequency scaling: long wavelengths slowed by `factor`, a smooth ramp in between."""
+    """Llama-3 frequency scaling."""
     factor = scaling["factor"]
     low = scaling.get("low_freq_factor", 1.0)
     high = scaling.get("high_freq_factor", 4.0)
@@ -36,7 +36,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables by absolute position (HF Llama's rotate-half convention)."""
+    """cos/sin tables by position (rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().float()
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
-        """The step's table rows, shared by every layer."""
+        """The step's rows, shared by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,20 +66,19 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class RopeTables:
-    """cos/sin ``[T, 1, D/2]`` of one step's positions."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, D]`` rotated (rotate-half), computed in at least float32."""
+        """``x`` ``[T, heads, D]`` rotated, in at least float32."""
         x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
         cos, sin = self.cos, self.sin
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class MLP(nn.Module):
-    """SwiGLU, gate and up fused into one matmul."""
+    """SwiGLU, gate and up in one matmul."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -92,7 +91,7 @@ class MLP(nn.Module):
 
 
 class AttentionProjections(nn.Module):
-    """Fused QKV projection + RoPE + output projection; attention itself is the caller's."""
+    """Fused QKV projection, RoPE and output projection."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -106,7 +105,7 @@ class AttentionProjections(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]``, k ``[T, Hkv, D]`` rotated together, v ``[T, Hkv, D]``."""
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``; q and k rotated."""
         qk, v = self.qkv_proj(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         qk = rope.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)

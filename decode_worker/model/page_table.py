@@ -1,5 +1,5 @@
-"""Page-table rows kept on the device: a decode step sends only the pages added since the last one.
-Contract: a running request's page list grows only in place; a new list object rewrites its row.
+"""Page-table rows kept on the device; a decode step sends only new pages. Contract: a running
+request's page list grows in place; a new list object rewrites its row.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class _Row:
 
 
 class PageTableRows:
-    """One row of page ids per running request key; rows double when all are taken."""
+    """One row of page ids per running request; rows double when full."""
 
     def __init__(self, max_pages: int, device: torch.device, capacity: int = 64):
         self.max_pages = max_pages
@@ -42,7 +42,7 @@ class PageTableRows:
         return self._rows[key].index
 
     def release(self, key: str) -> None:
-        """Zero the key's row (a failed step may have written past the synced part) and free it; no row: no-op."""
+        """Zero and free the key's row; no row: no-op."""
         row = self._rows.pop(key, None)
         if row is not None:
             self.table[row.index].zero_()
@@ -50,8 +50,8 @@ class PageTableRows:
 
     def decode_batch(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]], page_size: int) -> ForwardBatch:
-        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``; ValueError on a repeated key or too few pages.
-        A failed step frees its new rows and syncs nothing."""
+        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``; ValueError on a repeated key or too few
+        pages (a failed step syncs nothing)."""
         if len(set(keys)) != len(keys):
             raise ValueError("a request appears twice in one decode step")
         seq_lens = [p + 1 for p in prefix_lens]
@@ -91,7 +91,7 @@ class PageTableRows:
 
     @staticmethod
     def _delta(rows: list[_Row], pages: list[list[int]], needs: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(row, column, page) triples: the list's new tail, or the whole row (zero-padded) for a new list."""
+        """(row, column, page) triples: the new tail, or the whole row for a new list."""
         d_rows: list[int] = []
         d_cols: list[int] = []
         d_vals: list[int] = []
@@ -108,7 +108,6 @@ class PageTableRows:
     def _lay_out(self, rows: list[_Row], delta: tuple[list[int], list[int], list[int]], last_tokens: list[int],
                  prefix_lens: list[int], seq_lens: list[int], pages: list[list[int]], needs: list[int],
                  page_size: int) -> ForwardBatch:
-        """One copy of the step's vectors and the delta, then the batch's rows gathered."""
         batch = len(rows)
         out_slots = [plist[p // page_size] * page_size + p % page_size for plist, p in zip(pages, prefix_lens)]
         host = {

@@ -1,4 +1,4 @@
-"""Owns the model and its L1 KV pool; runs extend and decode steps (CUDA graphs on GPU)."""
+"""Owns the model and its L1 KV pool; runs extend and decode steps."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +15,7 @@ from decode_worker.model.sampler import SampleResult, Shaping, TokenMask, sample
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_total_tokens: int, page_size: int, cuda_graph_max_bs: int = 0,
                  shared_pool: bool = False):
-        """``shared_pool``: a host KV pool peers on this host may map (prefill's)."""
+        """``shared_pool``: a host pool peers on this host may map."""
         self.loaded = loaded
         self.config = loaded.config
         self.model = loaded.model
@@ -44,16 +44,16 @@ class ModelRunner:
 
     def build_decode(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]]) -> ForwardBatch:
-        """A decode step through page-table rows named by ``keys`` (freed with ``rows.release``)."""
+        """A decode step through the page-table rows of ``keys``."""
         return self.rows.decode_batch(keys, last_tokens, prefix_lens, pages, self.page_size)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits [B, vocab] ([T, vocab] with all_logits); from a CUDA graph, valid until the next replay."""
+        """float32 logits [B, vocab] ([T, vocab] with all_logits); a graph's are valid until its next replay."""
         if self.graphs is not None and fb.is_decode and self.graphs.fits(fb):
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)
 
     def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
                        shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-        """Forward and sample on the calling thread, which waits for the device; Python lists out."""
+        """Forward and sample; Python lists out."""
         return sample(self.forward(fb), params, generators, shaping, mask)

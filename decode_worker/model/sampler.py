@@ -1,5 +1,5 @@
-"""The batched sampler: penalties, masks, greedy, temperature, top-k, top-p, seeds and top alternatives;
-logprobs under the model's own distribution. One read-back a step; only seeded rows draw one by one.
+"""The batched sampler: penalties, masks, greedy, temperature, top-k/p, seeds, logprobs; one read-back
+a step.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a 
 
 @dataclass
 class Shaping:
-    """A row's logit adjustments: penalties over its tokens so far, and tokens banned before
-    ``min_new_tokens``."""
+    """A row's penalties and its bans before ``min_new_tokens``."""
 
     output_ids: list[int]  # frequency and presence penalties count these
     context_ids: list[int]  # the repetition penalty covers prompt and output
@@ -27,10 +26,10 @@ class Shaping:
 
 
 class TokenMask(Protocol):
-    """The tokens each constrained row may pick (built by ``scheduler/grammar.py``)."""
+    """The tokens each constrained row may pick."""
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set every token a constrained row may not pick to -inf, in place."""
+        """Set banned tokens to -inf, in place."""
 
 
 @dataclass
@@ -43,7 +42,7 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
-    """One token per row of ``logits`` [B, vocab]; greedy rows take the argmax of their shaped logits."""
+    """One token per row of ``logits`` [B, vocab]."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
@@ -69,8 +68,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Log-probability of ``targets[i]`` under row i of ``logits`` [n, vocab] (the model's own distribution) and
-    each row's ``k`` best (id, logprob); one read-back."""
+    """Log-probability of ``targets[i]`` under row i and each row's ``k`` best (id, logprob)."""
     target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     parts: list[torch.Tensor] = []
     for at in range(0, len(targets), SCORE_ROWS):
@@ -93,13 +91,12 @@ def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float]
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``, without copying the whole batch when the rows are all of them."""
+    """``t[rows]`` without a copy when the rows are all of them."""
     return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Shaping | None]) -> torch.Tensor:
-    """SGLang/OpenAI penalties in place, all shaped rows at once: repetition, then frequency and presence, then
-    bans (the order matters for a token under several)."""
+    """Penalties in place, SGLang/OpenAI order: repetition, frequency and presence, bans."""
     repeat, count, ban = [], [], []  # (row, token, ...) per adjustment
     for i, (p, s) in enumerate(zip(params, shaping)):
         if s is None:
@@ -123,14 +120,13 @@ def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Sha
 
 
 def _columns(entries: list[tuple], device: torch.device) -> list[torch.Tensor]:
-    """Row and token columns as int64 index tensors, the others as float32 values."""
     columns = list(zip(*entries))
     return [torch.tensor(c, dtype=torch.int64 if j < 2 else torch.float32, device=device) for j, c in enumerate(columns)]
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One pick per row from its temperature-scaled, top-k then top-p limited softmax."""
+    """One pick per row: temperature, top-k, top-p."""
     dev = logits.device
     logits = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     top_k = [min(p.top_k, logits.shape[1]) for p in params]
@@ -148,8 +144,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``probs`` outside each row's nucleus set to 0; on CPU rows whose ``NUCLEUS_CANDIDATES`` best tokens reach
-    ``top_p`` sort only those (docs/architecture.md)."""
+    """``probs`` outside each row's nucleus set to 0 (CPU: ``NUCLEUS_CANDIDATES`` first)."""
     if probs.is_cuda or probs.shape[1] <= NUCLEUS_CANDIDATES:
         values, order = probs.sort(dim=-1, descending=True)
         return _keep_prefix(values, order, top_p, probs.shape)
@@ -170,8 +165,7 @@ def _keep_prefix(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of unnormalised ``probs``: unseeded rows invert a float64 CDF (no host sync); seeded
-    rows use ``torch.multinomial`` so a seed stays stable."""
+    """One token per row: unseeded rows invert a CDF (no sync), seeded ones use ``multinomial``."""
     picks = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     free = [i for i, g in enumerate(generators) if g is None]
     if free:  # the first token whose CDF reaches u in (0, total]: never one of probability 0

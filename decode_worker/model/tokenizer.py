@@ -45,13 +45,13 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str:
-        """The chat template ('' when none); its text decides how tools are rendered."""
+        """The chat template ('' when none)."""
         template = self.backend.chat_template
         return template if isinstance(template, str) else ""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """``tools`` (OpenAI tool definitions) go to a template that renders them itself."""
+        """``tools`` go to a template that renders them itself."""
         if not self.backend.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         text = self.backend.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -60,7 +60,7 @@ class Tokenizer:
 
 
 def _from_gguf(path: Path) -> Any:
-    """A GGUF file's tokenizer, converted once and then loaded from the cache folder (conversion is slow)."""
+    """A GGUF's tokenizer, converted once and cached (conversion is slow)."""
     from transformers import AutoTokenizer
 
     saved = converted_tokenizer_dir(path)
@@ -76,7 +76,7 @@ def _from_gguf(path: Path) -> Any:
 
 
 def converted_tokenizer_dir(path: Path) -> Path:
-    """Where ``path``'s converted tokenizer is kept, keyed by the file's identity and transformers' version."""
+    """The cache folder, keyed by file identity and transformers' version."""
     import transformers
 
     stat = path.stat()
@@ -85,7 +85,7 @@ def converted_tokenizer_dir(path: Path) -> Path:
 
 
 def _save(backend: Any, target: Path) -> None:
-    """Save the converted tokenizer whole or not at all (another worker may race for it)."""
+    """Save whole or not at all (workers may race)."""
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
         backend.save_pretrained(str(partial))
