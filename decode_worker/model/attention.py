@@ -15,7 +15,7 @@ from decode_worker.model.forward_batch import ForwardBatch
 
 @dataclass
 class StepPlan:
-    """One step's indices for every layer; ``pages``/``visible`` for CPU decode only."""
+    """One step's indices, shared by every layer."""
 
     write_rows: torch.Tensor
     context_rows: torch.Tensor | None = None
@@ -69,7 +69,7 @@ def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch
 
 def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Each request's new tokens over its prefix plus themselves (no device sync)."""
+    """Each request's new tokens over its prefix and themselves."""
     k_ctx = slot_rows(pool.k_pages(layer))[0].index_select(0, plan.context_rows)  # [sum seq_lens, Hkv, D]
     v_ctx = slot_rows(pool.v_pages(layer))[0].index_select(0, plan.context_rows)
     out = torch.empty_like(q)
@@ -94,8 +94,7 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` over a cached prefix plus itself; a ``CausalBias`` keeps CUDA SDPA fused (K/V repeated:
-    no GQA there)."""
+    """``q`` over a cached prefix plus itself, on CUDA's fused SDPA."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)

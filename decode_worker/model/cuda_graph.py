@@ -1,6 +1,4 @@
-"""CUDA graphs of the decode step per padded batch bucket; every tensor a graph reads is a slice of a
-buffer owned here.
-"""
+"""CUDA graphs of the decode step, one per padded batch size."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,7 +48,7 @@ class CudaGraph:
 
 
 class EagerGraph:
-    """CPU stand-in for ``CudaGraph`` (tests without a GPU)."""
+    """CPU stand-in for ``CudaGraph``."""
 
     def __init__(self, step: Step):
         self.step = step

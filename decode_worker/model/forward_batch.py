@@ -11,7 +11,7 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    """One step over B requests and T new tokens; ``seq_lens`` include them, tables pad with page 0."""
+    """One step over B requests and T new tokens (tables padded with page 0)."""
 
     is_decode: bool
     input_ids: torch.Tensor  # [T]
@@ -102,7 +102,7 @@ def _layout(ids: torch.Tensor, prefix: torch.Tensor, new: torch.Tensor, page_cou
 
 
 def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For runs of ``lengths``: each element's run and index in it."""
+    """Each element's run and index in it."""
     rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     return rows, torch.arange(rows.numel()) - (torch.cumsum(lengths, 0) - lengths)[rows]
 

@@ -1,4 +1,4 @@
-"""A GGUF file's metadata and tensor table in one pass, tensors memory-mapped."""
+"""A GGUF file's metadata and tensor table, tensors memory-mapped."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Llama-family blocks: RMSNorm, rotary embedding, attention projections, SwiGLU MLP."""
+"""Llama-family blocks: RMSNorm, rotary embedding, attention projections, MLP."""
 from __future__ import annotations
 
 import math
@@ -56,7 +56,6 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().float()
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
-        """The step's rows, shared by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +70,7 @@ class RopeTables:
     sin: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, D]`` rotated, in at least float32."""
+        """``x`` ``[T, heads, D]`` rotated in at least float32."""
         x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
         cos, sin = self.cos, self.sin
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -105,7 +104,7 @@ class AttentionProjections(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``; q and k rotated."""
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, q and k rotated."""
         qk, v = self.qkv_proj(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         qk = rope.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)

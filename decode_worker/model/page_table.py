@@ -1,5 +1,5 @@
-"""Page-table rows kept on the device; a decode step sends only new pages. Contract: a running
-request's page list grows in place; a new list object rewrites its row.
+"""Page-table rows kept on the device. Contract: a running request's page list grows in place; a new
+list object rewrites its row.
 """
 from __future__ import annotations
 
@@ -50,8 +50,7 @@ class PageTableRows:
 
     def decode_batch(self, keys: list[str], last_tokens: list[int], prefix_lens: list[int],
                      pages: list[list[int]], page_size: int) -> ForwardBatch:
-        """Request b writes ``last_tokens[b]`` at ``prefix_lens[b]``; ValueError on a repeated key or too few
-        pages (a failed step syncs nothing)."""
+        """A decode step; ValueError on a repeated key or too few pages."""
         if len(set(keys)) != len(keys):
             raise ValueError("a request appears twice in one decode step")
         seq_lens = [p + 1 for p in prefix_lens]
@@ -91,7 +90,7 @@ class PageTableRows:
 
     @staticmethod
     def _delta(rows: list[_Row], pages: list[list[int]], needs: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """(row, column, page) triples: the new tail, or the whole row for a new list."""
+        """(row, column, page) triples to write."""
         d_rows: list[int] = []
         d_cols: list[int] = []
         d_vals: list[int] = []

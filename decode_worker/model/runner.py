@@ -48,7 +48,7 @@ class ModelRunner:
         return self.rows.decode_batch(keys, last_tokens, prefix_lens, pages, self.page_size)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits [B, vocab] ([T, vocab] with all_logits); a graph's are valid until its next replay."""
+        """float32 logits [B, vocab]; a graph's stay valid until its next replay."""
         if self.graphs is not None and fb.is_decode and self.graphs.fits(fb):
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)

@@ -1,6 +1,4 @@
-"""The batched sampler: penalties, masks, greedy, temperature, top-k/p, seeds, logprobs; one read-back
-a step.
-"""
+"""Batched sampling and logprobs; one read-back a step."""
 from __future__ import annotations
 
 from collections import Counter
@@ -18,7 +16,7 @@ SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a 
 
 @dataclass
 class Shaping:
-    """A row's penalties and its bans before ``min_new_tokens``."""
+    """A row's penalties and early bans."""
 
     output_ids: list[int]  # frequency and presence penalties count these
     context_ids: list[int]  # the repetition penalty covers prompt and output
@@ -68,7 +66,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Log-probability of ``targets[i]`` under row i and each row's ``k`` best (id, logprob)."""
+    """Each target's log-probability and each row's ``k`` best."""
     target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     parts: list[torch.Tensor] = []
     for at in range(0, len(targets), SCORE_ROWS):
@@ -91,12 +89,11 @@ def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float]
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]`` without a copy when the rows are all of them."""
     return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _shape(logits: torch.Tensor, params: list[SamplingParams], shaping: list[Shaping | None]) -> torch.Tensor:
-    """Penalties in place, SGLang/OpenAI order: repetition, frequency and presence, bans."""
+    """Penalties in place, in SGLang/OpenAI order."""
     repeat, count, ban = [], [], []  # (row, token, ...) per adjustment
     for i, (p, s) in enumerate(zip(params, shaping)):
         if s is None:
@@ -144,7 +141,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``probs`` outside each row's nucleus set to 0 (CPU: ``NUCLEUS_CANDIDATES`` first)."""
+    """Zero ``probs`` outside each row's nucleus."""
     if probs.is_cuda or probs.shape[1] <= NUCLEUS_CANDIDATES:
         values, order = probs.sort(dim=-1, descending=True)
         return _keep_prefix(values, order, top_p, probs.shape)
@@ -165,7 +162,7 @@ def _keep_prefix(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row: unseeded rows invert a CDF (no sync), seeded ones use ``multinomial``."""
+    """One token per row; seeded rows use ``multinomial``."""
     picks = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     free = [i for i, g in enumerate(generators) if g is None]
     if free:  # the first token whose CDF reaches u in (0, total]: never one of probability 0

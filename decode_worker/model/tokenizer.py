@@ -51,7 +51,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """``tools`` go to a template that renders them itself."""
+        """``tools`` go to templates that render them."""
         if not self.backend.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         text = self.backend.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -60,7 +60,7 @@ class Tokenizer:
 
 
 def _from_gguf(path: Path) -> Any:
-    """A GGUF's tokenizer, converted once and cached (conversion is slow)."""
+    """A GGUF's tokenizer, converted once and cached."""
     from transformers import AutoTokenizer
 
     saved = converted_tokenizer_dir(path)
@@ -76,7 +76,7 @@ def _from_gguf(path: Path) -> Any:
 
 
 def converted_tokenizer_dir(path: Path) -> Path:
-    """The cache folder, keyed by file identity and transformers' version."""
+    """Cache folder by file identity and transformers' version."""
     import transformers
 
     stat = path.stat()
