@@ -45,7 +45,7 @@ mutation: setup
 	$(VENV)/bin/mutmut run --max-children 2; $(VENV)/bin/mutmut results
 
 bench: setup
-	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_decode.py --out benchmarks/results/bench_decode.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis mutants

@@ -1,11 +1,12 @@
 """Decode and prefill throughput: the server's scheduler and paged runner (through the offline ``LLM``) vs
 transformers on SmolLM2, same prompts, one run, for the default CPU dtype (``--dtype auto``) and for float32.
 
-Prints one JSON line: per dtype, decode tokens/s of both and their ratio per batch size (greedy, ``generate``),
-and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first token; transformers: one
-forward). Medians of ``--repeats`` alternating runs.
-The machine's load average (start and end) goes in the line too: absolute figures move with it, ratios less.
-Usage: python benchmarks/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32]
+Prints one JSON line (and writes it to ``--out``): per dtype, decode tokens/s of both and their ratio per batch size
+(greedy, ``generate``), and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first
+token; transformers: one forward). Medians of ``--repeats`` alternating runs. ``auto`` is what ``--dtype auto``
+serves: on a CPU without native bf16 that is float32 with the GGUF's low-bit weights (``float32-lowbit``), while
+``float32`` is the exact, dense reference. The CPU and the load average (start and end) go in the line too.
+Usage: python benchmarks/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32] [--out F]
 """
 from __future__ import annotations
 
@@ -88,14 +89,14 @@ def compare(a: list[float], b: list[float]) -> dict:
     return {"ours_tok_s": round(o, 1), "transformers_tok_s": round(t, 1), "ratio": round(o / t, 2)}
 
 
-def bench_dtype(path, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+def bench_dtype(path, dtype: torch.dtype, low_bit: bool, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(path), max_total_tokens=32768, page_size=16, dtype=dtype)
+    llm = LLM(str(path), max_total_tokens=32768, page_size=16, dtype=dtype, low_bit_float32=low_bit)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype).eval()
     time_ours(llm, chat_ids(llm, 2), 4)  # warm-up both
     time_transformers(hf, chat_ids(llm, 2), 4, 2)
-    out = {"int4_layers": llm.loaded.int4_layers, "decode": {}}
+    out = {"int4_layers": llm.loaded.int4_layers, "fp16_head": llm.loaded.model.head_matmul is not None, "decode": {}}
     for bs in args.batches:
         prompts = chat_ids(llm, bs)
         ours, theirs = [], []
@@ -112,6 +113,25 @@ def bench_dtype(path, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     return out
 
 
+def modes(names: list[str]) -> dict[str, tuple[torch.dtype, bool]]:
+    """Result key -> (dtype, low-bit float32) for each ``--dtypes`` name, duplicates dropped."""
+    out = {}
+    for name in names:
+        low_bit = name == "auto"
+        dtype = auto_dtype(torch.cuda.is_available())[0] if low_bit else name
+        key = f"{dtype}-lowbit" if low_bit and dtype == "float32" else dtype
+        out.setdefault(key, (getattr(torch, dtype), low_bit))
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -119,17 +139,22 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"], choices=["auto", "float32", "bfloat16"],
-                    help="auto: what --dtype auto picks on this machine")
+                    help="auto: what --dtype auto serves on this machine")
+    ap.add_argument("--out", help="also write the JSON line to this file")
     args = ap.parse_args()
     path = ensure_default_model()
-    result = {"bench": "decode", "model": path.name, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-              "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S, "load_average_start": os.getloadavg()[0], "dtypes": {}}
-    for name in dict.fromkeys(auto_dtype(torch.cuda.is_available())[0] if d == "auto" else d for d in args.dtypes):
-        result["dtypes"][name] = bench_dtype(path, getattr(torch, name), args)
-        if args.dtypes[0] == "auto" and "default_dtype" not in result:
-            result["default_dtype"] = name
+    result = {"bench": "decode", "model": path.name, "cpu": cpu_name(), "new_tokens": args.new_tokens,
+              "threads": torch.get_num_threads(), "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S,
+              "load_average_start": os.getloadavg()[0], "dtypes": {}}
+    for key, (dtype, low_bit) in modes(args.dtypes).items():
+        result["dtypes"][key] = bench_dtype(path, dtype, low_bit, args)
+        result.setdefault("default_dtype", key if args.dtypes[0] == "auto" else None)
     result["load_average_end"] = os.getloadavg()[0]
-    print(json.dumps(result))
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

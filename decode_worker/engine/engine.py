@@ -60,7 +60,9 @@ class Engine:
         path = Path(cfg.model_path) if cfg.model_path else ensure_default_model()
         self.model_path = str(path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_model(path, dtype=getattr(torch, cfg.dtype), device=device)
+        # --dtype auto's float32 (a CPU without native bf16) keeps the GGUF's low-bit weights; explicit float32 is exact
+        loaded = load_model(path, dtype=getattr(torch, cfg.dtype), device=device,
+                            low_bit_float32=cfg.dtype_reason is not None)
         self.tokenizer = loaded.tokenizer
         tokens = cfg.max_total_tokens
         if device == "cuda" and "max_total_tokens" not in cfg.model_fields_set:  # SGLang's --mem-fraction-static

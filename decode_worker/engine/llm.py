@@ -41,9 +41,12 @@ class LLM:
         max_running: int = 64,
         load_tokenizer: bool = True,
         prefix_cache: bool = True,
+        low_bit_float32: bool = False,
     ):
-        """Without a tokenizer, prompts are token ids and no text comes back."""
-        self.loaded = load_model(model_path, dtype=dtype, device=device, tokenizer=load_tokenizer)
+        """Without a tokenizer, prompts are token ids and no text comes back; ``low_bit_float32`` as in
+        ``load_model`` (what ``--dtype auto`` loads on a CPU without native bf16)."""
+        self.loaded = load_model(model_path, dtype=dtype, device=device, tokenizer=load_tokenizer,
+                                 low_bit_float32=low_bit_float32)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else self.loaded.config.eos_token_ids
         self.runner = ModelRunner(self.loaded, max_total_tokens, page_size)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) whose KV lives in a paged pool."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over a paged KV pool."""
 from __future__ import annotations
 
 import torch
@@ -30,10 +30,11 @@ class LlamaModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta, config.rope_scaling)
         self.scale = config.head_dim**-0.5
+        self.head_matmul = None  # a low-bit copy of the vocabulary matrix, set by the loader
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Run one step, writing the new tokens' K/V into ``pool``; returns float32 logits ``[rows, vocab]``."""
+        """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``."""
         h = self.embed_tokens(fb.input_ids)
         rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb)  # shared by every layer
         for i, layer in enumerate(self.layers):
@@ -44,12 +45,16 @@ class LlamaModel(nn.Module):
             h = h + attn.o_proj(o.reshape(o.shape[0], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[fb.logits_indices])
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return _logits(h, head).float()
+        if self.head_matmul is not None:
+            return self.head_matmul(h).float()
+        return _logits(h, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
 
 def _logits(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """``h @ head.T``; one 16-bit row on CPU goes through ``torch.mv``, far faster there than a one-row GEMM."""
+    """``h @ head.T``; one 16-bit CPU row uses ``torch.mv`` (far faster than a one-row GEMM)."""
     if h.shape[0] == 1 and h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float16):
         return torch.mv(head, h[0]).unsqueeze(0)
     return torch.nn.functional.linear(h, head)

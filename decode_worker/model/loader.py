@@ -1,4 +1,4 @@
-"""Load a model (Hugging Face directory or GGUF file) into a LlamaModel plus its tokenizer."""
+"""Load a HF directory or GGUF file into a LlamaModel and its tokenizer."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,14 @@ import torch
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
-from decode_worker.model.quant import Int4Linear
+from decode_worker.model.quant import HalfLinear, Int4Linear
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.model.weights import load_weights, weights_digest
 
 
-# Inputs of at least this many rows (tokens in a step) use an int4 layer's dense copy; None keeps no dense copy.
-INT4_DENSE_FROM_ROWS: int | None = 12
+# Inputs of at least this many rows (tokens in a step) use an int4 layer's wide matmul instead of the int4 kernel:
+# the measured crossovers (benchmarks/bench_matmul.py) for bf16 on AVX512-BF16 and for float32 on AVX2.
+INT4_WIDE_FROM_ROWS = {torch.bfloat16: 12, torch.float16: 12, torch.float32: 6}
 
 
 @dataclass
@@ -58,8 +59,7 @@ def read_config(path: Path) -> ModelConfig:
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Create parameters in ``dtype`` (building in fp32 and casting after triples the peak for bf16).
-    Process-wide, so only while the model is built."""
+    """Build parameters in ``dtype`` (casting after would triple the peak)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -68,18 +68,20 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def keeps_int4(path: Path, dtype: torch.dtype, device: str) -> bool:
-    """Whether a GGUF's Q4_1 weights stay 4-bit by default: on CPU in 16-bit (float32 is the parity reference)."""
-    return path.is_file() and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+def keeps_int4(path: Path, dtype: torch.dtype, device: str, low_bit_float32: bool = False) -> bool:
+    """Whether Q4_1 weights stay 4-bit: on CPU in 16-bit, in float32 only with ``low_bit_float32``
+    (explicit float32 is the exact reference)."""
+    wanted = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and low_bit_float32)
+    return path.is_file() and torch.device(device).type == "cpu" and wanted
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
-               int4: bool | None = None) -> LoadedModel:
-    """``int4`` None: ``keeps_int4`` decides."""
+               int4: bool | None = None, low_bit_float32: bool = False) -> LoadedModel:
+    """``int4`` None: ``keeps_int4`` decides; float32 with int4 layers also reads the vocabulary as fp16."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
-    int4 = keeps_int4(path, dtype, device) if int4 is None else int4
+    int4 = keeps_int4(path, dtype, device, low_bit_float32) if int4 is None else int4
     if path.is_file():
         reader = open_gguf(path)
         config = gguf_config(reader, path.stem)
@@ -89,16 +91,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         tensors = _safetensors(path)
     with torch.device(device), default_dtype(dtype):
         model = LlamaModel(config)
-    load_weights(model, tensors, INT4_DENSE_FROM_ROWS)  # copies cast each checkpoint tensor into the parameter's dtype
+    load_weights(model, tensors, INT4_WIDE_FROM_ROWS.get(dtype))  # copies cast each tensor into the parameter's dtype
+    int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
+    if int4_layers and dtype == torch.float32:
+        model.head_matmul = HalfLinear(model.head_weight())
     model.eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
-    int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
     _return_freed_memory()
     return LoadedModel(config, model, tok, weights_digest(model), int4_layers)
 
 
 def _return_freed_memory() -> None:
-    """Hand freed loader temporaries back to the OS (glibc keeps them otherwise)."""
+    """Return freed loader memory to the OS."""
     import ctypes
     import ctypes.util
 

@@ -1,5 +1,4 @@
-"""Weights kept 4-bit on CPU: a Q4_1 block (``d * q + m``) is one group of torch's int4 matmul
-(``(q - 8) * scale + zero``) with ``scale = d``, ``zero = m + 8d``.
+"""Q4_1 weights kept 4-bit on CPU: a block's ``d * q + m`` is the int4 kernel's ``(q - 8) * scale + zero``.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ _INNER_K_TILES = 2  # the packing's K tiling: K must be a multiple of 16 * this
 
 @dataclass
 class Q4Blocks:
-    """A Q4_1 matrix unpacked: codes one per byte, per-block scale and minimum."""
+    """A Q4_1 matrix: codes one per byte, per-block scale and minimum."""
 
     codes: torch.Tensor  # uint8 [rows, cols], values 0..15
     scale: torch.Tensor  # float32 [rows, cols // 32]
@@ -27,7 +26,7 @@ class Q4Blocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q4Blocks":
-        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles, low first)."""
+        """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles)."""
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 20)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -41,41 +40,75 @@ class Q4Blocks:
         return (grouped * self.scale[..., None] + self.minimum[..., None]).view(rows, cols)
 
     def map_rows(self, fn) -> "Q4Blocks":
-        """``fn`` applied to every part's rows (e.g. llama.cpp's Q/K permutation)."""
+        """``fn`` applied to every part's rows."""
         return Q4Blocks(fn(self.codes), fn(self.scale), fn(self.minimum))
 
     @staticmethod
     def stack(parts: list["Q4Blocks"]) -> "Q4Blocks":
-        """Row-wise concatenation (a fused QKV or gate/up matrix)."""
+        """Row-wise concatenation."""
         return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum")))
 
 
 def packable(rows: int, cols: int) -> bool:
-    """Whether the int4 kernel takes a ``[rows, cols]`` weight (its tiling needs these multiples)."""
+    """Whether the int4 kernel's tiling takes a ``[rows, cols]`` weight."""
     return cols % (16 * _INNER_K_TILES) == 0 and cols % Q4_GROUP == 0 and rows % 8 == 0
 
 
-class Int4Linear(nn.Module):
-    """``y = x @ W.T`` over int4-packed ``W``; ``dense_from_rows`` keeps a dense copy for wide inputs (int4 wins
-    only on memory-bound decode)."""
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The int4 kernel's activation dtype: on x86 only bf16 is vectorized, so float32 goes through it."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
-    def __init__(self, blocks: Q4Blocks, dtype: torch.dtype, dense_from_rows: int | None = None):
+
+def kernel_scales_and_zeros(blocks: Q4Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's ``[cols // 32, rows, 2]`` table: ``scale = d``, ``zero = m + 8d``."""
+    zero = blocks.minimum + 8 * blocks.scale
+    return torch.stack((blocks.scale.t(), zero.t()), dim=-1).to(dtype).contiguous()
+
+
+class HalfLinear:
+    """``x @ W.T``, ``W`` packed for fbgemm's fp16 GEMM (float32 in and out)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> HalfLinear | DenseLinear:
+    """Wide inputs' matmul: fp16-packed for float32, else a dense ``dtype`` copy."""
+    return HalfLinear(weight) if dtype == torch.float32 else DenseLinear(weight.to(dtype))
+
+
+class Int4Linear(nn.Module):
+    """``x @ W.T`` over int4 ``W``; inputs of ``wide_from_rows`` rows or more use ``wide_linear``."""
+
+    def __init__(self, blocks: Q4Blocks, dtype: torch.dtype, wide_from_rows: int | None = None):
         super().__init__()
         rows, cols = blocks.shape
         if not packable(rows, cols):
             raise ValueError(f"an int4 weight of shape {(rows, cols)} cannot be packed")
         self.in_features, self.out_features = cols, rows
+        self.kernel_dtype = kernel_dtype(dtype)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), _INNER_K_TILES)
-        zero = blocks.minimum + 8 * blocks.scale
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", torch.stack((blocks.scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
-        self.dense_from_rows = dense_from_rows
-        self.register_buffer("dense", None if dense_from_rows is None else blocks.dequantize().to(dtype))
+        self.register_buffer("scales_and_zeros", kernel_scales_and_zeros(blocks, self.kernel_dtype))
+        self.wide_from_rows = wide_from_rows
+        self.wide = None if wide_from_rows is None else wide_linear(blocks.dequantize(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and flat.shape[0] >= self.dense_from_rows:
-            out = torch.nn.functional.linear(flat, self.dense)
+        if self.wide is not None and flat.shape[0] >= self.wide_from_rows:
+            out = self.wide(flat)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.kernel_dtype), self.packed, Q4_GROUP,
+                                                             self.scales_and_zeros).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)

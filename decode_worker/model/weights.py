@@ -1,4 +1,4 @@
-"""Copy Hugging Face-named tensors into LlamaModel's fused parameters; 4-bit blocks become Int4Linear."""
+"""Hugging Face-named tensors into LlamaModel's fused parameters."""
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +22,7 @@ _GLOBAL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weigh
 
 
 def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
-    """(fused param, row start, row end) of an unfused q/k/v or gate/up tensor."""
+    """(fused param, row start, row end) of a q/k/v or gate/up tensor."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
@@ -41,9 +41,9 @@ def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
 
 
 def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks]],
-                 dense_from_rows: int | None = None) -> None:
-    """Fill every parameter; ModelLoadError on a missing or mis-shaped tensor. A bias-free linear given wholly
-    as ``Q4Blocks`` becomes ``Int4Linear``."""
+                 wide_from_rows: int | None = None) -> None:
+    """Fill every parameter (ModelLoadError if missing or mis-shaped); wholly-``Q4Blocks`` bias-free
+    linears become ``Int4Linear``."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     quantized: dict[str, list[tuple[int, Q4Blocks]]] = {}
@@ -83,7 +83,7 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | 
         parent, _, attr = module_name.rpartition(".")
         dtype = params[target].dtype
         blocks = Q4Blocks.stack([b for _, b in sorted(pieces, key=lambda piece: piece[0])])
-        setattr(model.get_submodule(parent), attr, Int4Linear(blocks, dtype, dense_from_rows))
+        setattr(model.get_submodule(parent), attr, Int4Linear(blocks, dtype, wide_from_rows))
 
 
 def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
@@ -92,8 +92,7 @@ def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
 
 
 def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
-    """Digest of the loaded weights, so KV of two checkpoints sharing name and shape never mixes (strided
-    samples: fine-tunes change values everywhere, and start-up stays fast)."""
+    """Digest of strided weight samples: checkpoints never share KV."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)

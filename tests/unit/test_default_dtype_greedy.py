@@ -11,7 +11,7 @@ import torch
 from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
-from decode_worker.model.loader import INT4_DENSE_FROM_ROWS
+from decode_worker.model.loader import INT4_WIDE_FROM_ROWS
 from tests.unit.test_smollm2 import CHAT_QUESTION, PROMPTS
 
 NEW_TOKENS = 16
@@ -37,7 +37,8 @@ def default_dtype() -> torch.dtype:
 
 @pytest.fixture(scope="module")
 def fast(smollm2_path, default_dtype) -> LLM:
-    return LLM(str(smollm2_path), max_total_tokens=4096, dtype=default_dtype)
+    """What ``--dtype auto`` serves (float32 there keeps the GGUF's low-bit weights)."""
+    return LLM(str(smollm2_path), max_total_tokens=4096, dtype=default_dtype, low_bit_float32=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,10 @@ def reference(smollm2_path):
 @pytest.mark.parametrize("batched", [True, False], ids=["batch-of-8", "one-by-one"])
 def test_default_dtype_greedy_matches_float32(fast, default_dtype, reference, batched):
     """Batched (every prompt twice: decode steps of 16 rows), the steps are wide enough for the dense bf16 copy
-    (``loader.INT4_DENSE_FROM_ROWS``); one by one, every decode step runs the int4 kernel."""
+    (``loader.INT4_WIDE_FROM_ROWS``); one by one, every decode step runs the int4 kernel."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     if batched:
-        assert 2 * len(PROMPTS) >= INT4_DENSE_FROM_ROWS
+        assert 2 * len(PROMPTS) >= INT4_WIDE_FROM_ROWS[default_dtype]
         outs = fast.generate(PROMPTS * 2, params)[: len(PROMPTS)]
     else:
         outs = [fast.generate([p], params)[0] for p in PROMPTS]

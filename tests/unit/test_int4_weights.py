@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from decode_worker.model.loader import load_model
-from decode_worker.model.quant import Int4Linear, Q4Blocks
+from decode_worker.model.quant import Q4_GROUP, DenseLinear, HalfLinear, Int4Linear, Q4Blocks, kernel_scales_and_zeros
 
 
 def random_blocks(rows: int, cols: int, seed: int = 0) -> Q4Blocks:
@@ -28,18 +28,20 @@ def test_gguf_q4_1_bytes_parse_to_the_values_gguf_dequantizes():
 
 
 def test_int4_kernel_computes_the_q4_1_blocks_matmul():
-    """Q4_1's ``d * q + m`` mapped onto the kernel's ``(q - 8) * scale + zero`` (float32 activations: exact up to
-    summation order)."""
+    """Q4_1's ``d * q + m`` mapped onto the kernel's ``(q - 8) * scale + zero`` (float32 activations and table:
+    exact up to summation order)."""
     blocks = random_blocks(64, 128)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
     layer = Int4Linear(blocks, torch.float32)
-    assert layer.dense is None
-    assert (layer(x) - x @ blocks.dequantize().t()).abs().max().item() < 1e-4
+    assert layer.wide is None
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, Q4_GROUP,
+                                                     kernel_scales_and_zeros(blocks, torch.float32))
+    assert (out - x @ blocks.dequantize().t()).abs().max().item() < 1e-4
 
 
 def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
     blocks = random_blocks(64, 128, seed=2)
-    layer = Int4Linear(blocks, torch.bfloat16, dense_from_rows=8)
+    layer = Int4Linear(blocks, torch.bfloat16, wide_from_rows=8)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     wide = layer(x)  # 8 rows: dense
     narrow = torch.cat([layer(x[i : i + 4]) for i in (0, 4)])  # 4 rows each: int4 kernel
@@ -47,7 +49,22 @@ def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
     scale = ref.abs().max().item()
     assert (wide.float() - ref).abs().max().item() < 0.02 * scale
     assert (narrow.float() - ref).abs().max().item() < 0.02 * scale
-    assert layer.dense is not None and layer.dense.dtype == torch.bfloat16
+    assert isinstance(layer.wide, DenseLinear) and layer.wide.weight.dtype == torch.bfloat16
+
+
+def test_float32_activations_run_the_int4_kernel_in_bf16_and_wide_inputs_in_fp16():
+    """float32 in and out: narrow inputs through the bf16-vectorized int4 kernel, wide ones through the fp16-packed
+    copy, both close to the dequantized float32 matmul (fp16 weights far closer than bf16 activations)."""
+    blocks = random_blocks(64, 128, seed=6)
+    layer = Int4Linear(blocks, torch.float32, wide_from_rows=6)
+    assert layer.kernel_dtype == torch.bfloat16 and isinstance(layer.wide, HalfLinear)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
+    ref = x @ blocks.dequantize().t()
+    scale = ref.abs().max().item()
+    wide, narrow = layer(x), torch.cat([layer(x[i : i + 4]) for i in (0, 4)])
+    assert wide.dtype == narrow.dtype == torch.float32
+    assert (wide - ref).abs().max().item() < 1e-3 * scale
+    assert (narrow - ref).abs().max().item() < 0.01 * scale
 
 
 def test_q4_blocks_stack_rows_in_order():
@@ -74,19 +91,44 @@ def test_smollm2_in_bf16_keeps_every_layer_matrix_4bit(smollm2_models):
     assert quantized.weights_digest != dense.weights_digest
 
 
-@pytest.mark.parametrize("rows", [1, 4, 32])
-def test_quantized_model_logits_stay_close_to_the_dequantized_model(smollm2_models, rows):
-    """The int4 kernel (few rows) and the dense copy (many) both track the dequantized bf16 model: the same weights,
-    only the matmul's rounding differs."""
+def assert_tail_logits_track(models, rows: int) -> None:
+    """The last ``rows`` tokens' logits (over a cached prefix) of the low-bit model stay close to the other's."""
     from decode_worker.model.runner import ModelRunner
 
     ids = [1, 504, 3458, 282, 4649, 314, 1029, 30, 198, 2] * 4
     outs = []
-    for loaded in smollm2_models:
+    for loaded in models:
         runner = ModelRunner(loaded, max_total_tokens=256, page_size=16)
         pages = list(range(1, 4))
         runner.forward(runner.build_batch([ids[: 40 - rows]], [0], [pages]))
         outs.append(runner.forward(runner.build_batch([ids[40 - rows :]], [40 - rows], [pages], all_logits=True)))
-    quantized, dense = outs
-    assert (quantized - dense).abs().max().item() < 0.05 * dense.abs().max().item()
-    assert (quantized.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.9
+    low_bit, reference = outs
+    assert (low_bit - reference).abs().max().item() < 0.05 * reference.abs().max().item()
+    assert (low_bit.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_quantized_model_logits_stay_close_to_the_dequantized_model(smollm2_models, rows):
+    """The int4 kernel (few rows) and the dense copy (many) both track the dequantized bf16 model: the same weights,
+    only the matmul's rounding differs."""
+    assert_tail_logits_track(smollm2_models, rows)
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32_models(smollm2_path):
+    return (load_model(smollm2_path, dtype=torch.float32, tokenizer=False, low_bit_float32=True),
+            load_model(smollm2_path, dtype=torch.float32, tokenizer=False))
+
+
+def test_float32_keeps_low_bit_weights_only_when_asked(smollm2_float32_models):
+    low_bit, exact = smollm2_float32_models
+    assert low_bit.int4_layers == 4 * low_bit.config.num_layers and isinstance(low_bit.model.head_matmul, HalfLinear)
+    assert exact.int4_layers == 0 and exact.model.head_matmul is None
+    assert low_bit.weights_digest != exact.weights_digest
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_low_bit_float32_logits_stay_close_to_the_exact_float32_model(smollm2_float32_models, rows):
+    """The int4 kernel in bf16 (few rows), fp16-packed weights (many) and the fp16 vocabulary matrix all track the
+    dequantized float32 model."""
+    assert_tail_logits_track(smollm2_float32_models, rows)
