@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from decode_worker.pd.handshake import PD_TOKEN_HEADER
+from decode_worker.pd.handshake import MAX_HANDSHAKE_WAIT_S, PD_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,7 @@ class HandshakeRequest(_Lenient):
     layout: dict[str, Any]
     nixl_agent: str = Field(min_length=1, max_length=256)
     known_agent: str = Field(default="", max_length=256)
+    wait_s: float | None = Field(default=None, gt=0, le=MAX_HANDSHAKE_WAIT_S)
 
     @model_validator(mode="before")
     @classmethod
@@ -266,6 +267,9 @@ GENERATE: dict[str, tuple[Neutral, str]] = {
     "audio_data": (ABSENT, "audio inputs (a text-only model)"), "video_data": (ABSENT, "video inputs"),
     "token_ids_logprob": (ABSENT, "logprobs of chosen token ids"), "lora_path": (ABSENT, "LoRA adapters"),
     "custom_logit_processor": (ABSENT, "custom logit processors"), "return_hidden_states": (FALSE, "hidden states"),
+    "return_entropy": (FALSE, "per-token entropy"), "return_bytes": (FALSE, "image bytes"),
+    "return_prompt_token_ids": (FALSE, "prompt token ids without logprobs"),
+    "background": (FALSE, "background requests"),
 }
 SAMPLING: dict[str, tuple[Neutral, str]] = {
     "min_p": (ZERO, "min-p sampling"), "structural_tag": (ABSENT, "structural tags"),

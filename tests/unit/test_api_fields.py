@@ -29,6 +29,7 @@ ASKING = {
     "function_call": {"name": "f"}, "top_logprobs": 2, "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "store": True, "web_search_options": {},
+    "return_entropy": True, "return_bytes": True, "return_prompt_token_ids": True, "background": True,
 }
 NEUTRAL = {
     "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False, "return_hidden_states": False,
@@ -36,6 +37,7 @@ NEUTRAL = {
     "n": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
     "logit_bias": {}, "best_of": 1, "suffix": "", "stream_options": {"include_usage": False},
     "function_call": "auto", "top_logprobs": 0, "modalities": ["text"], "store": False,
+    "return_entropy": False, "return_bytes": False, "return_prompt_token_ids": False, "background": False,
 }
 
 
@@ -68,6 +70,15 @@ def test_openai_routes_refuse_each_documented_field_they_do_not_honour(route, mo
     with pytest.raises(ValueError, match=f"field '{name}' is not supported"):
         check_fields(model, {name: ASKING[name]}, route)
     check_fields(model, {name: NEUTRAL.get(name)}, route)
+
+
+def test_what_sglang_router_forwards_at_its_defaults_passes_without_a_warning(caplog):
+    """sglang-router forwards SGLang's request defaults (seen from bench_serving): none of them is a warning."""
+    schemas._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="decode_worker.server.schemas"):
+        check_fields(GenerateRequest, {"text": "hi", "background": False, "return_bytes": False,
+                                       "return_entropy": False, "return_prompt_token_ids": False}, "/generate")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def test_an_undocumented_field_is_ignored_with_one_warning(caplog):
