@@ -343,7 +343,8 @@ class Faults:
     ``reuse_after_hold`` overwrites a hand-off's pages with random bytes the moment prefill may reuse them: on
     decode's release, or when its hold ends unreleased (lease expiry runs every ``expire_every_s``, so at a
     random point up to that long after the hold); its prompts share no cached prefix, so the pages are the
-    hand-off's alone. ``loop_probe``: log every stall of the event loop over ``LOOP_LOG_MS`` (``loop_stalls``
+    hand-off's alone; ``hold_delay_s`` makes a computed prompt's KV reach the hand-off that much later, as a long
+    queue would. ``loop_probe``: log every stall of the event loop over ``LOOP_LOG_MS`` (``loop_stalls``
     reads them back)."""
 
     stall_p: float = 0.0
@@ -353,6 +354,7 @@ class Faults:
     inline_bytes: int | None = None
     reuse_after_hold: bool = False
     expire_every_s: float = 1.0
+    hold_delay_s: float = 0.0
     loop_probe: bool = False
     seed: int = 0
 
@@ -436,8 +438,27 @@ def _install(faults: Faults) -> None:
         agent.INLINE_BYTES = faults.inline_bytes
     if faults.reuse_after_hold:
         _reuse_after_hold(faults.expire_every_s)
+    if faults.hold_delay_s:
+        _delay_holds(faults.hold_delay_s)
     if faults.loop_probe:
         _probe_loop()
+
+
+def _delay_holds(delay_s: float) -> None:
+    """Prefill: each PD prompt's computed KV reaches the hand-off ``delay_s`` late (its handshake waits meanwhile)."""
+    import asyncio
+
+    from decode_worker.pd.prefill import KVHandoff
+
+    hold = KVHandoff.hold
+
+    def late_hold(self, held) -> bool:
+        if held.prompt.bootstrap is None:
+            return False
+        asyncio.get_running_loop().call_later(delay_s, hold, self, held)
+        return True
+
+    KVHandoff.hold = late_hold
 
 
 def _reuse_after_hold(every_s: float) -> None:

@@ -120,7 +120,7 @@ class Engine:
             except Exception:
                 log.exception("freeing expired KV leases failed; trying again in 1 s")
 
-    async def handshake(self, body) -> dict:
+    async def handshake(self, body) -> dict | None:
         self.require_ready()
         return await self.handoff.handshake(body)
 

@@ -49,7 +49,7 @@ class _Room:
     """One request's handshake, then its answer."""
 
     boot: Bootstrap
-    asked: float  # monotonic time the handshake was posted
+    asked: float  # monotonic time the last handshake call was posted (prefill counts waited_s from it)
     task: asyncio.Task[tuple[Answer, Peer]] | None = None
     answered: float = 0.0  # monotonic time prefill's answer arrived: decode's own share of TTFT starts here
     released: bool = False  # prefill was told to free the room's pages (by the read's notification or on its own)
@@ -185,21 +185,20 @@ class DeltaKVFetcher:
         return headers
 
     async def _handshake(self, room: _Room, prompt: list[int]) -> tuple[Answer, Peer]:
-        """Ask prefill for the room; loads its agent the first time."""
+        """Ask prefill for the room until it holds the KV (it answers 202 while computing); loads its agent once."""
         boot = room.boot
         peer_key = (boot.host, boot.port)
         body = {"room": boot.room, "prompt_len": len(prompt), "prompt_digest": prompt_digest(prompt),
                 "layout": self.pool.layout.describe(), "nixl_agent": self.agent.name,
-                "known_agent": self._known.get(peer_key, "")}
+                "known_agent": self._known.get(peer_key, ""), "wait_s": self.config.handshake_timeout_s / 2}
         url = f"http://{boot.host}:{boot.port}{HANDSHAKE_PATH}"
-        asked = time.monotonic()
-        try:
-            resp = await self.http.post(url, json=body, headers=self._auth_headers(boot))
-            room.answered = time.monotonic()
-        except httpx.TimeoutException as e:
-            raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
-        except httpx.HTTPError as e:
-            raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e!r}") from e
+        first_asked = time.monotonic()
+        gives_up = first_asked + self.config.kv_lease_s + self.config.handshake_timeout_s
+        while (resp := await self._ask(room, url, body)).status_code == 202:
+            if time.monotonic() >= gives_up:  # a prefill still busy with it: bounded by our own clock, not its word
+                raise self._fail("timeout", f"prefill {boot.host}:{boot.port} had not computed room {boot.room} "
+                                            f"within {self.config.kv_lease_s + self.config.handshake_timeout_s:g}s",
+                                 504)
         if resp.status_code != 200:
             try:
                 detail = resp.json()["error"]["message"]
@@ -207,8 +206,8 @@ class DeltaKVFetcher:
                 detail = resp.text[:300]
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
-        round_trip = room.answered - asked
-        self.metrics.kv_handshake_seconds.observe(round_trip)
+        round_trip = room.answered - room.asked  # the last call's: prefill's waited_s must fit in it
+        self.metrics.kv_handshake_seconds.observe(room.answered - first_asked)  # prefill's queue and compute
         asked_for = Asked(boot.room, len(prompt), self.pool.page_size, self.agent.pool.page_bytes, self.vocab_size,
                           round_trip)
         try:
@@ -221,6 +220,18 @@ class DeltaKVFetcher:
             raise self._fail("bad_answer", f"prefill {boot.host}:{boot.port} sent an unusable handshake answer: "
                                            f"{e}") from e
         return answer, await self._peer(peer_key, answer)
+
+    async def _ask(self, room: _Room, url: str, body: dict) -> httpx.Response:
+        """One handshake call, each within the handshake timeout; ``room.asked``/``answered`` time the last one."""
+        room.asked = time.monotonic()
+        try:
+            resp = await self.http.post(url, json=body, headers=self._auth_headers(room.boot))
+        except httpx.TimeoutException as e:
+            raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
+        except httpx.HTTPError as e:
+            raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e!r}") from e
+        room.answered = time.monotonic()
+        return resp
 
     async def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
         """Prefill's agent, loaded once, within the handshake timeout."""

@@ -31,8 +31,11 @@ class HandshakeBody(Protocol):
     layout: dict[str, Any]
     nixl_agent: str  # decode's agent: the one that reads and sends the release notification
     known_agent: str  # the prefill agent whose metadata decode has loaded for this peer, or ""
+    wait_s: float | None  # answer "not yet" (202) after this long; None: wait for the KV up to the lease time
 
 
+MAX_HANDSHAKE_WAIT_S = 600.0
+"""The longest ``wait_s`` a handshake may ask prefill to hold its answer for."""
 MAX_POOL_PAGES = 1 << 22
 """The most pages a peer's pool may declare: its page table is built here, one row per page."""
 MAX_METADATA_BYTES = 1 << 20

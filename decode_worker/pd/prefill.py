@@ -58,6 +58,7 @@ class KVHandoff:
     leases: dict[int, _Lease] = field(default_factory=dict)  # room -> held KV no handshake asked for yet
     handed: dict[int, _Lease] = field(default_factory=dict)  # lease id -> KV answered, until decode releases it
     abandoned: dict[int, float] = field(default_factory=dict)  # room -> until when: its decode peer gave up waiting
+    asked_since: dict[int, float] = field(default_factory=dict)  # room -> when a peer first asked for it, not yet here
     _arrived: dict[int, asyncio.Event] = field(default_factory=dict)
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _watcher: asyncio.Task | None = None
@@ -78,8 +79,13 @@ class KVHandoff:
         return True
 
     def expire(self) -> None:
-        """Free holds whose peer never came and hand-offs never released."""
+        """Free holds whose peer never came and hand-offs never released; forget rooms asked for that never came."""
         now = time.monotonic()
+        for room, since in list(self.asked_since.items()):
+            if since + self.config.kv_lease_s < now:  # a peer that stopped asking between two polls
+                del self.asked_since[room]
+                if room not in self.leases:
+                    self._arrived.pop(room, None)
         for room, until in list(self.abandoned.items()):
             if until < now:
                 del self.abandoned[room]
@@ -98,17 +104,20 @@ class KVHandoff:
         self._arrived.pop(room, None)
         return self.leases.pop(room, None)
 
-    async def handshake(self, body: HandshakeBody) -> dict:
-        """Answer once we hold the room's KV (PD token already checked)."""
+    async def handshake(self, body: HandshakeBody) -> dict | None:
+        """Answer once we hold the room's KV (PD token already checked); None: not yet, after the peer's ``wait_s``."""
         asked = time.monotonic()
         diff = self.pool.layout.differences(body.layout)
         if diff:
             raise RequestError("KV layout mismatch: " + "; ".join(diff), 409, "layout_mismatch")
         try:
-            held = (await self._wait_for_room(body.room)).held
+            lease = await self._wait_for_room(body.room, body.wait_s)
         except asyncio.CancelledError:
             self._abandon(body.room)
             raise
+        if lease is None:
+            return None
+        held = lease.held
         try:
             return self._answer(body, held, asked).to_json()
         except BaseException:  # a rejected hand-off frees the KV it held
@@ -132,15 +141,22 @@ class KVHandoff:
                       first.token, first.logprob, self.agent.pool, metadata, hold, waited_s=now - asked,
                       top_logprobs=first.top, prompt_logprobs=first.prompt)
 
-    async def _wait_for_room(self, room: int) -> _Lease:
-        """Wait for the room's KV, up to the lease time."""
+    async def _wait_for_room(self, room: int, wait_s: float | None) -> _Lease | None:
+        """Wait for the room's KV up to the lease time from the first ask; None when ``wait_s`` ends first."""
+        now = time.monotonic()
+        gives_up = self.asked_since.setdefault(room, now) + self.config.kv_lease_s
+        poll_ends = gives_up if wait_s is None else min(gives_up, now + wait_s)
         event = self._arrived.setdefault(room, asyncio.Event())
         try:
-            async with asyncio.timeout(self.config.kv_lease_s):
+            async with asyncio.timeout(max(0.0, poll_ends - now)):
                 await event.wait()
         except TimeoutError:
+            if poll_ends < gives_up:
+                return None  # still computing (or not here yet): the peer asks again
+            self.asked_since.pop(room, None)
             self._arrived.pop(room, None)
             raise RequestError(f"unknown room {room}: no prefilled request with it arrived in time", 404, "unknown_room") from None
+        self.asked_since.pop(room, None)
         lease = self._drop(room)
         if lease is None:
             raise RequestError(f"room {room} was already handed off or expired", 404, "unknown_room")
@@ -149,6 +165,7 @@ class KVHandoff:
     def _abandon(self, room: int) -> None:
         """The decode peer left: free the room's KV now or on arrival."""
         self._arrived.pop(room, None)
+        self.asked_since.pop(room, None)
         if (lease := self.leases.pop(room, None)) is not None:
             lease.held.release()
         else:

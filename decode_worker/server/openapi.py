@@ -212,6 +212,11 @@ class HandshakeAccepted(BaseModel):
     nbytes: int
 
 
+class HandshakePending(BaseModel):
+    status: str  # "pending": the room's KV is not here yet; ask again
+    room: int
+
+
 class GenerateChunk(GenerateResponse):
     index: int | None = None  # which prompt of a batched body
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.faultkit import BAD_ANSWERS, CorruptingPrefill
+from tests.faultkit import BAD_ANSWERS, CorruptingPrefill, Faults, start_faulty
 from tests.servers import pd_generate, start_worker, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "s3cret"}
@@ -176,6 +176,27 @@ def test_prefill_never_answers(prefill, decode):
         assert_fails_cleanly(resp, decode, prefill, t, 5 + 5, "timed out")
     finally:
         sock.close()
+
+
+BUSY_S = 12.0  # how late a busy prefill's KV arrives: over twice decode's handshake timeout (5 s)
+
+
+def test_a_prefill_busy_past_the_handshake_timeout_still_serves(logs, decode, colocated):
+    """A long prefill queue is not a dead prefill: the handshake asks again while prefill answers 202, and the
+    request is served, equal to colocated (before, it failed as a handshake timeout after 5 s)."""
+    busy = start_faulty("prefill-busy", logs, "prefill", Faults(hold_delay_s=BUSY_S), env=TOKEN)
+    try:
+        body = {"text": "The capital of France is", "sampling_params": GREEDY}
+        t = time.monotonic()
+        resp = pd_generate(busy, decode, body, next(rooms))
+        assert resp.status_code == 200, resp.text
+        assert time.monotonic() - t >= BUSY_S
+        expected = httpx.post(colocated.url + "/generate", json=body, timeout=120).json()["output_ids"]
+        assert resp.json()["output_ids"] == expected
+        assert busy.log.read_text().count('"POST /v1/pd/handshake HTTP/1.1" 202') >= 2, busy.tail()
+    finally:
+        busy.stop()
+    wait_pages_free(decode)
 
 
 def test_prefill_without_the_room(prefill, decode):
