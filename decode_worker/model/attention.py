@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from decode_worker_kernels.kv_write import slot_index, slot_rows, write_kv
 from decode_worker_kernels.paged_attention import paged_decode_attention
-from torch.nn.attention.bias import causal_lower_right
 
 from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
@@ -95,6 +94,7 @@ def _extend_attention(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan
 
 def prefix_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``q`` over a cached prefix plus itself, on CUDA's fused SDPA."""
+    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only a GPU worker pays for it
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
