@@ -74,7 +74,7 @@ def test_the_engine_sizes_l1_from_memory_on_cuda_unless_max_total_tokens_is_give
     asked, runners = [], []
     load = engine_module.load_model
     monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(engine_module, "load_model", lambda path, dtype, device: load(path, dtype=dtype, device="cpu"))
+    monkeypatch.setattr(engine_module, "load_model", lambda path, dtype, device, **kw: load(path, dtype=dtype, device="cpu", **kw))
     monkeypatch.setattr(engine_module, "device_pool_tokens",
                         lambda model, page_size, dtype, fraction: asked.append((page_size, fraction)) or 1024)
     runner_class = engine_module.ModelRunner
