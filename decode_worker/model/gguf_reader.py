@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from decode_worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from decode_worker.model.dequant import dequantize
 from decode_worker.model.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 from decode_worker.model.quant import Q4Blocks, packable
 
@@ -76,7 +76,6 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
     """Every tensor as float32 under its HF name; with ``keep_q4``, Q4_1 layer matrices as ``Q4Blocks``."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -84,7 +83,7 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -
         if keep_q4 and parts[0] == "blk" and t.tensor_type == GGMLQuantizationType.Q4_1 and len(shape) == 2 and packable(*shape):
             tensor = Q4Blocks.from_gguf(t.data, *shape)
         else:
-            tensor = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+            tensor = torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(shape)
         if t.name == "token_embd.weight":
             yield "model.embed_tokens.weight", tensor
         elif t.name == "output_norm.weight":
