@@ -696,7 +696,8 @@ PLANTED = {
     "a read in flight is taken for done": (KVTransfer, "in_flight", _never_in_flight,
                                            "failed with 500|Exception is not set"),
     "a failed request's read is not waited for": (Scheduler, "_fail", _fail_without_waiting, "no longer owned"),
-    "a page is handed to two requests": (Scheduler, "_grow", _grow_into_a_neighbours_page, "owned twice"),
+    "a page is handed to two requests": (Scheduler, "_grow", _grow_into_a_neighbours_page,
+                                         "owned twice|allocated != .* in tree"),
     "a request's prefix lock is never dropped": (HierarchicalCache, "release", _release_nothing,
                                                  "lock refs left|requests never ended|allocated != .* in tree"),
     "a request leaving the queue keeps its handshake": (Admission, "forget", _forget_nothing,
@@ -710,7 +711,7 @@ PLANTED = {
     "the step's token mask is never applied": (scheduler_module, "fill_mask", _no_token_mask,
                                                "breaks|dead end"),
     "a token the grammar refuses does not end the request": (RowGrammar, "advance", _dead_ends_go_on,
-                                                              "breaks|went on"),
+                                                              "breaks|went on|GrammarMatcher has terminated"),
 }
 
 
