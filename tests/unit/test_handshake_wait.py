@@ -76,3 +76,38 @@ def test_without_wait_s_the_answer_waits_for_the_kv_as_before():
         assert lease is not None and lease.held is prompt
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_that_answers_pending_at_once_is_asked_once_per_wait_and_given_up_on():
+    """A lying or broken prefill answering 202 without waiting is not hammered (one call per ``wait_s``), and
+    decode gives up on its own clock: its lease time plus its handshake timeout from the first ask."""
+    import httpx
+
+    from decode_worker.core.request import Bootstrap
+    from decode_worker.pd.decode import DeltaKVFetcher, _Room
+
+    calls = []
+
+    def pending(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        return httpx.Response(202, json={"status": "pending", "room": 1})
+
+    async def scenario():
+        config = SimpleNamespace(handshake_timeout_s=0.2, transfer_timeout_s=1.0, kv_lease_s=0.4, prefill_hosts="",
+                                 pd_token="", api_key="")
+        pool = SimpleNamespace(page_size=16, layout=SimpleNamespace(describe=lambda: {}))
+        agent = SimpleNamespace(name="decode-x", pool=SimpleNamespace(page_bytes=64))
+        fetcher = DeltaKVFetcher(config, pool, agent, Metrics(), vocab_size=100)
+        fetcher.http = httpx.AsyncClient(transport=httpx.MockTransport(pending))
+        room = _Room(Bootstrap("127.0.0.1", 9, 1), time.monotonic())
+        started = time.monotonic()
+        with pytest.raises(RequestError, match="had not computed room 1") as e:
+            await fetcher._handshake(room, [1, 2, 3])
+        await fetcher.http.aclose()
+        return e.value, time.monotonic() - started
+
+    error, took = asyncio.run(scenario())
+    assert error.status == 504
+    assert 0.6 <= took < 3.0
+    assert 2 <= len(calls) <= 8, len(calls)  # 0.6 s of asking at one call per 0.1 s (not hundreds)
+    assert all(b - a >= 0.09 for a, b in zip(calls, calls[1:]))
