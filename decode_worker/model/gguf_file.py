@@ -14,6 +14,7 @@ VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 8  # ggml's own limit is 4
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
@@ -54,6 +55,22 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in one tight loop: a tokenizer's vocabulary and merges are most of a file's metadata."""
+        buf, pos, end_of_buf = self.buf, self.pos, len(self.buf)
+        length_at = _LENGTH.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > end_of_buf:
+                raise GGUFFormatError(f"truncated at byte {pos} (wanted 8 more)")
+            end = pos + 8 + length_at(buf, pos)[0]
+            if end > end_of_buf:
+                raise GGUFFormatError(f"truncated at byte {pos + 8} (wanted {end - pos - 8} more)")
+            out.append(str(buf[pos + 8:end], "utf-8", "replace"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
@@ -67,6 +84,8 @@ class _Cursor:
                 fmt = _SCALARS[item]
                 size = struct.calcsize(fmt)
                 return list(struct.unpack(f"<{count}{fmt[1]}", self.take(size * count)))
+            if item == _STRING:
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         raise GGUFFormatError(f"unknown metadata value type {kind}")
 
@@ -75,6 +94,8 @@ def read_gguf(path: Path) -> GGUFFile:
     """Parse header, metadata and tensor table."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    if path.stat().st_size == 0:  # numpy cannot map an empty file
+        raise GGUFFormatError("empty file")
     mapped = np.memmap(path, mode="r", dtype=np.uint8)
     cur = _Cursor(memoryview(mapped))
     if bytes(cur.take(4)) != MAGIC:

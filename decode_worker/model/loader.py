@@ -58,6 +58,20 @@ def read_config(path: Path) -> ModelConfig:
 
 
 @contextmanager
+def without_random_init() -> Iterator[None]:
+    """Build linear and embedding layers without their random init: ``load_weights`` fills every parameter or
+    refuses the checkpoint, so the init's cost (a second per start-up on a small model) buys nothing."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
+@contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build parameters in ``dtype`` (casting after would triple the peak)."""
     before = torch.get_default_dtype()
@@ -89,7 +103,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     else:
         config = read_config(path)
         tensors = _safetensors(path)
-    with torch.device(device), default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype), without_random_init():
         model = LlamaModel(config)
     load_weights(model, tensors, INT4_WIDE_FROM_ROWS.get(dtype))  # copies cast each tensor into the parameter's dtype
     int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())

@@ -64,10 +64,11 @@ def small(tmp_path):
 
 
 def test_a_cut_short_file_is_refused(small):
+    """At every byte: inside a key, a string array (the vocabulary's fast path), the tensor table or the data."""
     data = small.read_bytes()
-    for keep in (3, 20, 120, len(data) - 1):
+    for keep in range(len(data)):
         small.write_bytes(data[:keep])
-        with pytest.raises(GGUFFormatError, match="truncated|past the end|magic"):
+        with pytest.raises(GGUFFormatError, match="truncated|past the end|magic|empty"):
             read_gguf(small)
 
 
