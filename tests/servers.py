@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,11 +85,40 @@ def start(name: str, cmd: list[str], url: str, log_dir: Path, env: dict[str, str
     raise RuntimeError(f"{name} not healthy after {timeout_s} s:\n{proc.tail()}")
 
 
-def start_worker(name: str, log_dir: Path, role: str = "colocated", *flags: str, env: dict[str, str] | None = None) -> Proc:
-    port = free_port()
+def start_worker(name: str, log_dir: Path, role: str = "colocated", *flags: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> Proc:
+    """``port`` chosen ahead lets a peer name this worker before it is up (see ``start_all``)."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "decode_worker.cli", "serve", "--role", role, "--port", str(port),
            "--max-total-tokens", "8192", *flags]
     return start(name, cmd, f"http://127.0.0.1:{port}", log_dir, env)
+
+
+def start_all(starters: list[Callable[[], Proc]]) -> list[Proc]:
+    """Start workers in parallel: each start-up is mostly one core's work, and a fixture's workers are independent.
+    If one fails, the others are stopped and its error raised."""
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = [pool.submit(fn) for fn in starters]
+    procs, errors = [], []
+    for f in futures:
+        try:
+            procs.append(f.result())
+        except Exception as e:  # noqa: BLE001 - re-raised below once every worker is stopped
+            errors.append(e)
+    if errors:
+        for p in procs:
+            p.stop()
+        raise errors[0]
+    return procs
+
+
+def start_workers(specs: dict[str, tuple[str, tuple[str, ...], dict[str, str] | None]], log_dir: Path,
+                  ports: dict[str, int] | None = None) -> dict[str, Proc]:
+    """``{name: (role, flags, env)}`` started in parallel, by name; ``ports`` fixes some workers' ports ahead."""
+    ports = ports or {}
+    procs = start_all([lambda n=n, r=r, f=f, e=e: start_worker(n, log_dir, r, *f, env=e, port=ports.get(n))
+                       for n, (r, f, e) in specs.items()])
+    return dict(zip(specs, procs))
 
 
 def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from tests.servers import start_router, start_worker, wait_pages_free
+from tests.servers import start_router, start_workers, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "openai-e2e"}
 PROMPT = "The capital of France is"
@@ -21,10 +21,11 @@ TOL = 1e-3  # prefill and colocated compute the same prompt; only batch shapes m
 def targets(tmp_path_factory, smollm2_path):
     """{"pd": router URL, "colocated": worker URL}."""
     logs = tmp_path_factory.mktemp("openai-e2e-logs")
-    prefill = start_worker("prefill", logs, "prefill", env=TOKEN)
-    decode = start_worker("decode", logs, "decode", "--disaggregation-decode-enable-radix-cache", env=TOKEN)
+    workers = start_workers({"prefill": ("prefill", (), TOKEN),
+                             "decode": ("decode", ("--disaggregation-decode-enable-radix-cache",), TOKEN),
+                             "colocated": ("colocated", (), None)}, logs)
+    prefill, decode, colocated = workers.values()
     router = start_router(logs, prefill, decode)
-    colocated = start_worker("colocated", logs, "colocated")
     yield {"pd": router.url, "colocated": colocated.url}
     wait_pages_free(decode)
     for proc in (router, decode, prefill, colocated):

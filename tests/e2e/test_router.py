@@ -8,9 +8,9 @@ import httpx
 import pytest
 import torch
 
-from decode_worker.engine.llm import LLM
 from decode_worker.core.sampling import SamplingParams
-from tests.servers import start_router, start_worker, wait_pages_free
+from decode_worker.engine.llm import LLM
+from tests.servers import start_router, start_workers, wait_pages_free
 from tests.unit.test_smollm2 import CHAT_QUESTION
 
 # float32 (prefill and decode): the tests compare cached outputs with a cache-free run token for token, which a bf16
@@ -23,11 +23,11 @@ SYSTEM = "You are a careful assistant. Rules: answer briefly, cite facts, avoid 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, smollm2_path):
     logs = tmp_path_factory.mktemp("e2e-logs")
-    prefill = start_worker("prefill", logs, "prefill", env=WORKER_ENV)
     # A small L1 (1024 tokens) with L2 behind it: long prompts push each other out to the host tier.
-    decode = start_worker("decode", logs, "decode", "--max-total-tokens", "1024",
-                          "--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache",
-                          "--max-running-requests", "40", env=WORKER_ENV)
+    decode_flags = ("--max-total-tokens", "1024", "--disaggregation-decode-enable-radix-cache",
+                    "--disaggregation-decode-enable-hicache", "--max-running-requests", "40")
+    prefill, decode = start_workers({"prefill": ("prefill", (), WORKER_ENV),
+                                     "decode": ("decode", decode_flags, WORKER_ENV)}, logs).values()
     router = start_router(logs, prefill, decode)
     yield prefill, decode, router
     for proc in (router, decode, prefill):

@@ -28,8 +28,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,7 +70,7 @@ from tests.faultkit import (
     wrong_outputs,
 )
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, start_worker
+from tests.servers import Proc, free_port, start_all, start_worker
 
 SEED = int(os.environ.get("FAULTS_SEED", "11"))
 ROUNDS = int(os.environ.get("FAULTS_ROUNDS", "3"))
@@ -142,23 +141,6 @@ class Episode:
     deadline_s: float = 0.0
     figures: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-
-
-def start_all(starters: list[Callable[[], Proc]]) -> list[Proc]:
-    """Start workers in parallel (each loads the model); if one fails, stop the others and raise."""
-    with ThreadPoolExecutor(len(starters)) as pool:
-        futures = [pool.submit(fn) for fn in starters]
-    procs, errors = [], []
-    for f in futures:
-        try:
-            procs.append(f.result())
-        except Exception as e:  # noqa: BLE001 - re-raised below once every worker is stopped
-            errors.append(e)
-    if errors:
-        for p in procs:
-            p.stop()
-        raise errors[0]
-    return procs
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.faultkit import BAD_ANSWERS, CorruptingPrefill, Faults, start_faulty
-from tests.servers import pd_generate, start_worker, wait_pages_free
+from tests.servers import pd_generate, start_worker, start_workers, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "s3cret"}
 PROMPT = "A long shared system prompt about the history of Rome and its emperors, wars and roads. " * 6
@@ -28,25 +28,31 @@ def logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prefill(logs, smollm2_path):
-    proc = start_worker("prefill", logs, "prefill", "--kv-lease-s", "3", env=TOKEN)
-    yield proc
-    proc.stop()
+def workers(logs, smollm2_path):
+    procs = start_workers({
+        "prefill": ("prefill", ("--kv-lease-s", "3"), TOKEN),
+        "decode": ("decode", ("--disaggregation-decode-enable-radix-cache", "--handshake-timeout-s", "5",
+                              "--transfer-timeout-s", "5"), TOKEN),
+        "colocated": ("colocated", (), None),
+    }, logs)
+    yield procs
+    for proc in procs.values():
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
-def decode(logs, smollm2_path):
-    proc = start_worker("decode", logs, "decode", "--disaggregation-decode-enable-radix-cache",
-                        "--handshake-timeout-s", "5", "--transfer-timeout-s", "5", env=TOKEN)
-    yield proc
-    proc.stop()
+def prefill(workers):
+    return workers["prefill"]
 
 
 @pytest.fixture(scope="module")
-def colocated(logs, smollm2_path):
-    proc = start_worker("colocated", logs, "colocated")
-    yield proc
-    proc.stop()
+def decode(workers):
+    return workers["decode"]
+
+
+@pytest.fixture(scope="module")
+def colocated(workers):
+    return workers["colocated"]
 
 
 def reference(colocated, text: str) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import Proc, start_worker, wait_pages_free
+from tests.servers import Proc, free_port, start_workers, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -28,26 +28,21 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
-def start_all(specs: dict[str, tuple[str, tuple[str, ...], dict[str, str]]], logs) -> dict[str, Proc]:
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futures = {name: pool.submit(start_worker, name, logs, role, *flags, env=env)
-                   for name, (role, flags, env) in specs.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory, tiny_chat_model) -> Iterator[dict[str, Proc]]:
     """Prefills with token T, token U and none; decodes with token T (bootstrap default: the T prefill) and none."""
     logs = tmp_path_factory.mktemp("pd-auth-logs")
     model = ("--model-path", str(tiny_chat_model))
     prefill = model + ("--kv-lease-s", "3")
-    procs = start_all({"prefill-t": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": "T"}),
-                       "prefill-u": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": "U"}),
-                       "prefill-open": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": ""})}, logs)
+    prefill_t = free_port()
     decode = model + ("--handshake-timeout-s", str(HANDSHAKE_DEADLINE_S), "--transfer-timeout-s", "5",
-                      "--bootstrap-port", str(port_of(procs["prefill-t"])))
-    procs |= start_all({"decode-t": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": "T"}),
-                        "decode-open": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": ""})}, logs)
+                      "--bootstrap-port", str(prefill_t))
+    procs = start_workers({"prefill-t": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": "T"}),
+                           "prefill-u": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": "U"}),
+                           "prefill-open": ("prefill", prefill, {"DECODE_WORKER_PD_TOKEN": ""}),
+                           "decode-t": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": "T"}),
+                           "decode-open": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": ""})}, logs,
+                          ports={"prefill-t": prefill_t})
     yield procs
     for proc in procs.values():
         proc.stop()

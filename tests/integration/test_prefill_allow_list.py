@@ -10,13 +10,12 @@ import itertools
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.test_pd_auth_batch import pd_post, port_of, start_all
-from tests.servers import Proc
+from tests.integration.test_pd_auth_batch import pd_post, port_of
+from tests.servers import Proc, free_port, start_workers
 from tests.tiny_model import save_tiny_chat_model
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -50,11 +49,12 @@ class TokenCatcher:
 def pair(tmp_path_factory) -> Iterator[dict[str, Proc]]:
     logs = tmp_path_factory.mktemp("allow-list-logs")
     model = ("--model-path", str(save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))))
-    procs = start_all({"prefill": ("prefill", model, {"DECODE_WORKER_PD_TOKEN": "T"})}, logs)
-    prefill_port = port_of(procs["prefill"])
+    prefill_port = free_port()
     decode = model + ("--handshake-timeout-s", "5", "--bootstrap-port", str(prefill_port))
-    procs |= start_all({"decode": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": "T",
-                                                      "DECODE_WORKER_PREFILL_HOSTS": f"127.0.0.1:{prefill_port}"})}, logs)
+    procs = start_workers({"prefill": ("prefill", model, {"DECODE_WORKER_PD_TOKEN": "T"}),
+                           "decode": ("decode", decode, {"DECODE_WORKER_PD_TOKEN": "T",
+                                                         "DECODE_WORKER_PREFILL_HOSTS": f"127.0.0.1:{prefill_port}"})},
+                          logs, ports={"prefill": prefill_port})
     yield procs
     for proc in procs.values():
         proc.stop()

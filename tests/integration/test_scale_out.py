@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, start, start_worker, wait_pages_free
+from tests.servers import Proc, free_port, start, start_workers, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model
 
 PS = 16
@@ -179,8 +179,8 @@ def two_models_one_redis(tmp_path_factory):
     flags = ["--page-size", str(PS), "--max-total-tokens", "1024", "--disaggregation-decode-enable-radix-cache",
              "--disaggregation-decode-enable-hicache", "--hicache-storage-backend", "redis",
              "--hicache-storage-url", server.url, "--hicache-storage-prefetch-policy", "wait_complete"]
-    workers = [start_worker(name, root, "colocated", "--model-path", str(path), *flags)
-               for name, path in (("model-a", first), ("model-b", second))]
+    workers = list(start_workers({name: ("colocated", ("--model-path", str(path), *flags), None)
+                                  for name, path in (("model-a", first), ("model-b", second))}, root).values())
     yield workers
     for w in workers:
         w.stop()
