@@ -60,3 +60,13 @@ def smollm2_path():
     from decode_worker.model.embedded import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """Transformers' own float32 SmolLM2 from the GGUF file, the parity reference; its conversion is the slowest
+    set-up in the suite, so the modules that compare with it share one."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()

@@ -18,15 +18,7 @@ def llm(smollm2_path):
     return LLM(str(smollm2_path), max_total_tokens=4096, page_size=16, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def hf(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
-
-
-def test_prompt_and_greedy_logprobs_match_transformers(llm, hf):
+def test_prompt_and_greedy_logprobs_match_transformers(llm, hf_smollm2):
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, top_logprobs=3)
     inputs = [GenerateInput(f"p{i}", llm.tokenizer.encode(p), params, True, logprob_start=0)
               for i, p in enumerate(PROMPTS)]
@@ -42,7 +34,7 @@ def test_prompt_and_greedy_logprobs_match_transformers(llm, hf):
         out_top = [row for e in events for row in e.top_logprobs]
         ids = inp.prompt_ids + out
         with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+            ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].double(), -1)
         n = len(inp.prompt_ids)
         assert out == ref[n - 1: -1].argmax(-1).tolist()  # greedy: each output token is the reference's best
         scored = events[0].prompt_logprobs

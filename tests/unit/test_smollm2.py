@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from decode_worker.cache.pool import PageAllocator
-from decode_worker.engine.llm import LLM
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.engine.llm import LLM
 from decode_worker.model.runner import ModelRunner
 
 PROMPTS = [
@@ -24,15 +24,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
     return LLM(str(smollm2_path), max_total_tokens=8192, page_size=16)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, torch_dtype=torch.float32
-    ).eval()
 
 
 def test_logits_match_transformers_gguf(llm, hf_smollm2):
