@@ -66,7 +66,7 @@ HITS: Counter[str] = Counter()  # what the rules and steps did, by name
 BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an unanswered peer", "peer answered late",
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
             "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
-            "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
+            "failing step, a read running", "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
             "constrained request retracted")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
 SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
@@ -393,6 +393,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.failed_steps += 1
         reading = any(r.transfer is not None and r.transfer.in_flight() for r in self.sched.requests.values())
         HITS["failing step, a read in flight" if reading else "failing step"] += 1
+        HITS["failing step, a read running"] += bool(self.open_reads())
 
         def broken(*args, **kwargs):
             raise RuntimeError(INJECTED)
@@ -407,6 +408,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.allowed[rid].add(500)
         finally:
             del runner.forward_sample
+
+    @precondition(lambda self: self.open_reads() and self.failed_steps < 2)
+    @rule()
+    def failing_step_while_a_read_runs(self) -> None:
+        """A failing step while a KV read is running (started, not landed): its request fails, and its pages may
+        be freed only once the read has unwound. Reads rarely run at a random failing step, hence this rule."""
+        self.failing_step()
 
     # ---- invariants -------------------------------------------------------------------------------------------
 
