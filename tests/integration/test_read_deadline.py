@@ -15,6 +15,7 @@ import pytest
 from decode_worker.transfer import agent as agent_module
 from decode_worker.transfer.agent import TransferError
 from tests.integration.test_ucx_transfer import PAGES, PeerProcess, decode_side, same_bytes, seeded
+from tests.integration.test_ucx_transfer import no_spare_left  # noqa: F401 (autouse: the last spare peer goes)
 
 PATHS = ("nixl", "mapped")
 

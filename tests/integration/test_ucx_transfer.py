@@ -42,10 +42,11 @@ SEED = 7
 PEER = """
 import base64, json, sys, threading, time, torch
 from decode_worker.cache.pool import KVPool
+from decode_worker.transfer.agent import KVAgent
 from tests.integration.test_ucx_transfer import LAYOUT, seeded
-pages, shared = int(sys.argv[1]), sys.argv[2] == "mapped"
-pool = seeded(pages, shared)
-agent = __import__("decode_worker.transfer.agent", fromlist=["KVAgent"]).KVAgent(pool.buffer, "peer", pool.shared)
+pages, path = sys.stdin.readline().split()  # a spare waits here, its imports done
+pool = seeded(int(pages), path == "mapped")
+agent = KVAgent(pool.buffer, "peer", pool.shared)
 print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "pool": agent.pool.to_dict()}), flush=True)
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
@@ -54,6 +55,8 @@ while not done.is_set():
         print(m.decode(), flush=True)
     time.sleep(0.001)
 """
+PEER_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # as the session began: tests that patch the environment patch
+# their own side, and a spare started during one of them must not inherit it
 
 
 def seeded(pages: int, shared: bool = False) -> KVPool:
@@ -68,11 +71,16 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class PeerProcess:
+    """A peer with ``pages`` of seeded bytes on ``path``. Its process was started one peer ahead (a spare that has
+    imported torch and NIXL while the previous test ran), so a test waits only for the pool and the agent."""
+
+    spare: subprocess.Popen | None = None
+
     def __init__(self, pages: int = PAGES, path: str = "nixl"):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.path = path
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(pages), path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.proc, PeerProcess.spare = PeerProcess.spare or _spawn_peer(), _spawn_peer()
+        self.proc.stdin.write(f"{pages} {path}\n")
+        self.proc.stdin.flush()
         hello = json.loads(self.proc.stdout.readline())
         self.metadata, self.pool = base64.b64decode(hello["metadata"]), PoolDescriptor.from_dict(hello["pool"])
 
@@ -83,6 +91,21 @@ class PeerProcess:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(10)
+
+
+def _spawn_peer() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=PEER_ENV, cwd=ROOT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_spare_left():
+    """The last spare goes with the module."""
+    yield
+    if PeerProcess.spare is not None:
+        PeerProcess.spare.kill()
+        PeerProcess.spare.wait()
+        PeerProcess.spare = None
 
 
 PATHS = ("nixl", "mapped")
