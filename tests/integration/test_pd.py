@@ -187,6 +187,7 @@ def test_prefill_never_answers(prefill, decode):
 BUSY_S = 12.0  # how late a busy prefill's KV arrives: over twice decode's handshake timeout (5 s)
 
 
+@pytest.mark.slow  # ~27 s (a prefill of its own whose KV is 12 s late); tests/unit/test_handshake_wait.py drives the same asks
 def test_a_prefill_busy_past_the_handshake_timeout_still_serves(logs, decode, colocated):
     """A long prefill queue is not a dead prefill: the handshake asks again while prefill answers 202, and the
     request is served, equal to colocated (before, it failed as a handshake timeout after 5 s)."""
@@ -214,6 +215,7 @@ def test_prefill_without_the_room(prefill, decode):
     assert_fails_cleanly(resp, decode, prefill, t, 10, "unknown room")
 
 
+@pytest.mark.slow  # ~14 s (a prefill of its own); test_ucx_transfer kills a peer mid-read between real processes
 def test_prefill_killed_mid_request(logs, prefill, decode):
     victim = start_worker("prefill-victim", logs, "prefill", "--kv-lease-s", "30", env=TOKEN)
     port = int(victim.url.rsplit(":", 1)[1])
@@ -255,6 +257,7 @@ def test_decode_rejects_requests_without_bootstrap(decode):
     assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow  # ~19 s; tests/unit/test_handshake_answer.py refuses each field, the scheduler machine fails reads among live ones
 def test_a_bad_prefill_answer_fails_only_its_own_request(prefill, decode, colocated):
     """Issue 26: a prefill's answer is input. A front of the real prefill changes one field of each answer (a
     token outside the vocabulary, a page past the pool, a truncated body, ...) while a good request decodes on

@@ -137,7 +137,8 @@ def _assert_all_gone(kids: list[int], ports: list[int], within_s: float) -> None
 
 
 @pytest.mark.parametrize("how", [pytest.param("sigint-to-up", marks=pytest.mark.slow), "sigterm-to-group",
-                                 pytest.param("sigkill-up", marks=pytest.mark.slow), "second-signal"])
+                                 pytest.param("sigkill-up", marks=pytest.mark.slow),
+                                 pytest.param("second-signal", marks=pytest.mark.slow)])
 def test_up_stops_everything_it_started(tmp_path, tiny_chat_model, how):
     popen, up_pid, kids, ports = _start_up(tmp_path, tiny_chat_model, under_shell=how == "sigterm-to-group")
     try:

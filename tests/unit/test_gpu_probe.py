@@ -95,6 +95,7 @@ def test_tiny_sections_check_what_they_claim(bare_run):
     assert "skipped" in bare_run["gpu_tests"]["summary"] and bare_run["gpu_tests"]["rc"] == 0  # collected, no GPU
 
 
+@pytest.mark.slow  # ~17 s (transformers and NIXL in child processes); the GPU machine's own run is what it prepares for
 def test_sections_with_their_packages_run():
     """With transformers, the tiny checkpoint matches it; with NIXL, a read between two processes (DRAM on CPU)
     lands the owner's bytes exactly."""
