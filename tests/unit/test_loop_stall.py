@@ -64,3 +64,28 @@ def test_forward_sample_hands_back_python_lists(tiny_models):
     fb = runner.build_batch([[1, 2, 3], [4, 5]], [0, 0], [[1], [2]])
     result = runner.forward_sample(fb, [PARAMS, PARAMS], [None, None])
     assert all(type(t) is int for t in result.token_ids) and all(type(p) is float for p in result.logprobs)
+
+
+def test_start_up_objects_are_out_of_the_collectors_reach(tmp_path):
+    """A full garbage collection holds the interpreter lock while it walks every tracked object; after start-up
+    those are hundreds of thousands (torch, the tokenizer, the app), so the engine freezes them: the objects a
+    full collection walks are only those made since."""
+    import gc
+
+    from decode_worker.config import ServerConfig
+    from decode_worker.engine.engine import Engine
+    from tests.tiny_model import save_tiny_chat_model
+
+    gc.unfreeze()
+    engine = Engine(ServerConfig(model_path=str(save_tiny_chat_model(tmp_path / "tiny")), max_total_tokens=256))
+
+    async def start_and_stop() -> None:
+        await engine.start()
+        await engine.shutdown()
+
+    try:
+        asyncio.run(start_and_stop())
+        assert gc.get_freeze_count() > 10 * len(gc.get_objects(generation=2)), (
+            gc.get_freeze_count(), len(gc.get_objects(generation=2)))
+    finally:
+        gc.unfreeze()
