@@ -504,6 +504,20 @@ def _reuse_after_hold(every_s: float) -> None:
 LOOP_LOG_MS = 20.0
 
 
+def _log_line(line: str) -> None:
+    """One write per line to stderr, so lines from two threads never interleave."""
+    os.write(2, (line + "\n").encode())
+
+
+def _stack(frame, depth: int) -> list:
+    """``frame`` and its callers, innermost first, at most ``depth``."""
+    out = []
+    while frame is not None and len(out) < depth:
+        out.append(frame)
+        frame = frame.f_back
+    return out
+
+
 def _probe_loop() -> None:
     """Tick every 5 ms on the worker's event loop; log each tick that ran over ``LOOP_LOG_MS`` late, with how the
     loop's thread spent it (``LoopStall``)."""
@@ -517,14 +531,35 @@ def _probe_loop() -> None:
             run_ns, wait_ns = f.read().split()[:2]
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
+    ticked = [time.monotonic()]  # the probe's last tick, read by the watchdog
+
     async def probe() -> None:
+        threading.Thread(target=watchdog, args=(threading.get_ident(),), daemon=True, name="loop-watchdog").start()
         while True:
             t0, (run0, wait0) = time.monotonic(), schedstat()
+            ticked[0] = t0
             await asyncio.sleep(0.005)
             lag, (run1, wait1) = time.monotonic() - t0 - 0.005, schedstat()
             if lag * 1000 > LOOP_LOG_MS:
-                print(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={(run1 - run0) * 1000:.1f} "
-                      f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f}", file=sys.stderr, flush=True)
+                _log_line(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={(run1 - run0) * 1000:.1f} "
+                          f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f}")
+
+    def watchdog(loop_thread: int) -> None:
+        """Where the loop's thread is while a tick is over ``LOOP_LOG_MS`` late, once per stall: the line a blocking
+        call shows in. (A stall with no such line had the GIL held by another thread for all of it.)"""
+        reported = 0.0
+        while True:
+            time.sleep(0.02)
+            last = ticked[0]
+            if time.monotonic() - last > LOOP_LOG_MS / 1000 and last != reported:
+                reported = last
+                frames = sys._current_frames()
+                where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+                                    for f in _stack(frames.get(loop_thread), 6))
+                others = "; ".join(f"{t.name}: {_stack(frames.get(t.ident), 1)[0].f_code.co_name}"
+                                   for t in threading.enumerate() if t.ident in frames and t.ident != loop_thread
+                                   and _stack(frames.get(t.ident), 1))
+                _log_line(f"faultkit: loop stuck at={time.time():.3f} loop: {where} | others: {others}")
 
     async def start_with_probe(self) -> None:
         await start(self)

@@ -81,6 +81,7 @@ HANDSHAKE_S, TRANSFER_S, LEASE_S = 20.0, 5.0, 30.0
 SLACK_S = 3.0  # scheduling noise on a loaded 2-core machine, on top of a deadline
 L1_TOKENS = 192  # 12 pages: three or four concurrent requests (4-5 pages each, 2 shared) fill a decode's L1
 BURST = 6  # requests sent to each decode at once in pool_exhaustion: more than its L1 holds
+EXHAUSTION_ROUNDS = 4  # bursts at most, until every decode has run out of L1
 PROBES = (0, 6, 11, 14)  # one prompt per system message and one more; each episode probes two of them
 STORE_DELAY_S = 2.5  # longer than the L3 tier's 2 s deadline per store call
 REUSE_HOLD_S = 2.0  # the reusing prefill's hold: decode's read deadline is 1 s after its answer
@@ -351,21 +352,28 @@ async def client_aborts(c: Cluster, rng: random.Random, scale: float) -> Episode
 async def pool_exhaustion(c: Cluster, rng: random.Random, scale: float) -> Episode:
     """Bursts of long outputs, more at once than a decode's L1 holds: admitted together (each fits when
     admitted), they all need a page to grow, so running requests are retracted, resumed, and must still give
-    the reference output."""
-    before = {d.name: d.metric("decode_worker_retractions_total") for d in c.live()}
+    the reference output. How many arrive together depends on how fast prefill hands them over, so a decode
+    that has not run out yet gets another burst, up to ``EXHAUSTION_ROUNDS``."""
+    def retractions(d: Proc) -> float:
+        return d.metric("decode_worker_retractions_total")
+
+    before = {d.name: retractions(d) for d in c.live()}
     peers = {Peer.of(c.prefill): 1.0}
     outcomes: list[Outcome] = []
+    targets, rounds = c.live(), 0
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-        for _ in range(max(1, round(2 * scale))):
+        while targets and rounds < EXHAUSTION_ROUNDS:
             burst = [one_request(client, Mix([d], peers, modes={"full": 2, "stream": 1},
                                              max_new_tokens=(MAX_NEW_TOKENS, MAX_NEW_TOKENS)),
                                  c.ref, random.Random(rng.getrandbits(32)))
-                     for d in c.live() for _ in range(BURST)]
+                     for d in targets for _ in range(BURST)]
             outcomes += await asyncio.gather(*burst)
+            rounds += 1
+            targets = c.live() if rounds < round(2 * scale) else [d for d in targets if retractions(d) == before[d.name]]
     ep = Episode("pool_exhaustion", outcomes)
-    retracted = {d.name: d.metric("decode_worker_retractions_total") - before[d.name] for d in c.live()}
-    ep.problems += [f"{name}: no retraction, L1 never ran out" for name, n in retracted.items() if not n]
-    ep.figures.update(retractions=retracted, burst_per_decode=BURST)
+    retracted = {d.name: retractions(d) - before[d.name] for d in c.live()}
+    ep.problems += [f"{name}: no retraction in {rounds} bursts, L1 never ran out" for name, n in retracted.items() if not n]
+    ep.figures.update(retractions=retracted, burst_per_decode=BURST, bursts=rounds)
     return ep
 
 
