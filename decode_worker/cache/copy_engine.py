@@ -5,7 +5,7 @@ import copy
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from math import prod
@@ -17,6 +17,7 @@ from decode_worker_kernels.page_copy import gather_pages, scatter_pages
 
 from decode_worker.cache.pool import PageIds
 from decode_worker.core.host_memory import pin_in_place
+from decode_worker.core.threads import started_pool
 
 STAGING_BYTES = 64 << 20  # both slots together; a copy larger than a slot goes through in chunks
 
@@ -117,7 +118,7 @@ class CopyEngine:
         self.staging = None if direct else Staging(device_buffer, staging_bytes, self._stream)
         self.pending = CopyQueue(device_buffer.shape[0], host_buffer.shape[0])
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+        self._executor = started_pool(1, "kv-copy")
 
     def load(self, host_pages: PageIds, device_pages: PageIds) -> Future:
         """L2 -> L1; then yields the interpreter lock once, so the copy thread starts it now."""

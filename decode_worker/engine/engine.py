@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from decode_worker.core.policies import StorageBackup, WritePolicy
 from decode_worker.core.request import GenerateInput, RequestError, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.tasks import SharedRun
+from decode_worker.core.threads import started_pool
 from decode_worker.engine.summary import startup_summary
 from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
@@ -30,6 +32,7 @@ from decode_worker.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+DEFAULT_EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)  # asyncio's own default size
 SECRETS = ("api_key", "pd_token")  # config fields server_info never shows
 HEALTH_REUSE_S = 1.0  # a /health_generate outcome answers the callers that come this long after it
 
@@ -92,7 +95,9 @@ class Engine:
         log.info(startup_summary(cfg, self.runner, self.model_path, host_pool.num_pages if host_pool else 0))
 
     async def start(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.load_model)
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(started_pool(DEFAULT_EXECUTOR_THREADS, "asyncio"))  # to_thread's (storage I/O)
+        await loop.run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
         self.grammars = GrammarCompiler(tok, self.runner.config.vocab_size)

@@ -5,7 +5,7 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ import torch
 from decode_worker.core.request import RequestError
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import Sequence
+from decode_worker.core.threads import started_pool
 
 if TYPE_CHECKING:
     from decode_worker.model.tokenizer import Tokenizer
@@ -43,7 +44,7 @@ class GrammarCompiler:
         self.cache_entries = cache_entries
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._thread = started_pool(1, "grammar")
         self._xgr_compiler: Any = None  # built on the compile thread at first use (xgrammar loads in ~1.5 s)
 
     async def compile(self, params: SamplingParams, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:

@@ -5,7 +5,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.prefix_cache import PrefixCache
@@ -19,6 +18,7 @@ from decode_worker.core.request import (
     TokenEvent,
 )
 from decode_worker.core.sequence import Sequence, check_finish, check_fits
+from decode_worker.core.threads import started_pool
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import SampleResult, make_generator
@@ -55,7 +55,7 @@ class Scheduler:
                                    max_running=max_running)  # ``source``: where a fresh prompt's KV comes from
         self.loading = Loading(cache, self.queues, metrics, page_size=self.page_size,
                                load_back_timeout_s=load_back_timeout_s)
-        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._forward_thread = started_pool(1, "forward")
         self._task: asyncio.Task | None = None
         self.steps = 0
         self.stopping = False

@@ -8,7 +8,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
 from decode_worker.core.shared_memory import MappedRegion, SharedFile, boot_id  # noqa: E402
+from decode_worker.core.threads import started_pool  # noqa: E402
 
 from .deadline import DeadlineJob, T, run_to_the_end  # noqa: E402
 from .descriptors import PoolDescriptor  # noqa: E402
@@ -89,8 +89,8 @@ class KVAgent:
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.pool.table(), self.pool.mem)
         self._peers: dict[str, Peer] = {}
         self._scratch: tuple | None = None  # a registered page for ``_connect``'s test reads, made on first use
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-peer")  # loads one peer at a time
+        self._copier = started_pool(1, "kv-read")
+        self._loader = started_pool(1, "kv-peer")  # loads one peer at a time
         self._loading: dict[str, asyncio.Task[Peer]] = {}  # by agent name: a load a second handshake waits for too
 
     def metadata(self) -> bytes:

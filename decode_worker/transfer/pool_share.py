@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 from decode_worker.core.shared_memory import (
@@ -25,13 +25,14 @@ from decode_worker.core.shared_memory import (
     map_read_only,
     mappable_bytes,
 )
+from decode_worker.core.threads import started_pool
 
 logger = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "decode-worker-kv"
 MAP_TIMEOUT_S = 1.0
 """How long asking a peer for its pool may take (connect, receive, check, map) before it is read over NIXL."""
-_ASKER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pool-ask")  # not queued behind others' work
+_ASKER = started_pool(2, "kv-pool-ask")  # not queued behind others' work
 REQUEST_S = 1.0
 """How long the owner waits for a connected peer to send its key before it hangs up."""
 MAX_CLIENTS = 16
