@@ -377,17 +377,24 @@ class LoopStall:
     """One delay of a ``loop_probe`` tick: how long past its time it ran (``ms``), and how the event loop's thread
     spent it, from the kernel's accounting of that thread (``/proc/thread-self/schedstat``): running (``cpu_ms``:
     code on the loop) and waiting for a core while runnable (``runqueue_ms``: other processes and threads had
-    the machine's cores). The rest it slept: blocked in a system call or waiting for the GIL. ``at``: wall time."""
+    the machine's cores). The rest it slept: blocked in a system call or waiting for the GIL. A GIL held by a
+    thread that itself waits for a core is the machine's contention too: ``others_runqueue_ms`` is the longest
+    any other Python thread of the worker waited for a core in a window around the stall (up to 50 ms wider), and
+    ``others_cpu_ms`` the longest any ran (a thread holding the GIL through a long call shows there).
+    ``at``: wall time."""
 
     ms: float
     cpu_ms: float
     runqueue_ms: float
     at: float
+    others_cpu_ms: float = 0.0
+    others_runqueue_ms: float = 0.0
 
     @property
     def blocked_ms(self) -> float:
-        """What the loop itself lost: running code on it, or blocked, not counting the wait for a free core."""
-        return self.ms - self.runqueue_ms
+        """What the loop itself lost: running code on it, or blocked, not counting the waits for a free core (its
+        own, and that of the thread it may have waited on)."""
+        return max(0.0, self.ms - self.runqueue_ms - self.others_runqueue_ms)
 
 
 def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
@@ -396,7 +403,8 @@ def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
     for line in proc.log.read_text(errors="replace").splitlines():
         if line.startswith("faultkit: loop stall"):
             kv = dict(part.split("=") for part in line.split()[3:])
-            stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["runqueue_ms"]), float(kv["at"])))
+            stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["runqueue_ms"]), float(kv["at"]),
+                                    float(kv.get("others_cpu_ms", 0)), float(kv.get("others_runqueue_ms", 0))))
     return [s for s in stalls if s.at >= since]
 
 
@@ -531,18 +539,39 @@ def _probe_loop() -> None:
             run_ns, wait_ns = f.read().split()[:2]
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
+    def threads_schedstat() -> dict[str, tuple[float, float]]:
+        """(running, waiting for a core) of every thread of this process so far, by thread id, in seconds."""
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns = f.read().split()[:2]
+            except OSError:
+                continue  # a thread that just ended
+            out[tid] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
+        return out
+
     ticked = [time.monotonic()]  # the probe's last tick, read by the watchdog
 
     async def probe() -> None:
         threading.Thread(target=watchdog, args=(threading.get_ident(),), daemon=True, name="loop-watchdog").start()
+        me, threads, ticks = str(threading.get_native_id()), threads_schedstat(), 0
         while True:
             t0, (run0, wait0) = time.monotonic(), schedstat()
             ticked[0] = t0
             await asyncio.sleep(0.005)
             lag, (run1, wait1) = time.monotonic() - t0 - 0.005, schedstat()
+            ticks += 1
             if lag * 1000 > LOOP_LOG_MS:
+                now = threads_schedstat()
+                python = {str(t.native_id) for t in threading.enumerate()} - {me}  # only these can hold the GIL
+                deltas = [(now[t][0] - was[0], now[t][1] - was[1]) for t, was in threads.items() if t in now and t in python]
                 _log_line(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={(run1 - run0) * 1000:.1f} "
-                          f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f}")
+                          f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f} "
+                          f"others_cpu_ms={max((r for r, _ in deltas), default=0) * 1000:.1f} "
+                          f"others_runqueue_ms={max((w for _, w in deltas), default=0) * 1000:.1f}")
+            if lag * 1000 > LOOP_LOG_MS or ticks % 10 == 0:  # the window of the next stall starts here
+                threads = threads_schedstat()
 
     def watchdog(loop_thread: int) -> None:
         """Where the loop's thread is while a tick is over ``LOOP_LOG_MS`` late, once per stall: the line a blocking

@@ -507,10 +507,13 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
                "blocked_max_ms": round(max((x.blocked_ms for x in found), default=0.0), 1),
                "running_max_ms": max((x.cpu_ms for x in found), default=0.0),
                "stalls_over_limit": sum(x.ms > LOOP_STALL_LIMIT_MS for x in found),
-               "of_them_waiting_for_a_core_ms": [x.runqueue_ms for x in found if x.ms > LOOP_STALL_LIMIT_MS][:10]}
+               "of_them_waiting_for_a_core_ms": [x.runqueue_ms for x in found if x.ms > LOOP_STALL_LIMIT_MS][:10],
+               "other_threads_waiting_for_a_core_ms": [x.others_runqueue_ms for x in found
+                                                       if x.ms > LOOP_STALL_LIMIT_MS][:10]}
         for name, found in stalls.items()}}), flush=True)
     problems += [f"[{name}] its event loop was blocked {x.blocked_ms:.0f} ms (a {x.ms:.0f} ms stall, {x.cpu_ms:.0f} ms "
-                 f"of it running code on the loop, {x.runqueue_ms:.0f} ms waiting for a core)"
+                 f"of it running code on the loop, {x.runqueue_ms:.0f} ms waiting for a core; another thread ran up to "
+                 f"{x.others_cpu_ms:.0f} ms and waited for a core up to {x.others_runqueue_ms:.0f} ms)"
                  for name, found in stalls.items() for x in found if x.blocked_ms > LOOP_STALL_LIMIT_MS]
     assert not problems, "\n".join(problems)
 
