@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -380,7 +380,9 @@ class LoopStall:
     the machine's cores). The rest it slept: blocked in a system call or waiting for the GIL. A GIL held by a
     thread that itself waits for a core is the machine's contention too: ``others_runqueue_ms`` is the longest
     any other Python thread of the worker waited for a core in a window around the stall (up to 50 ms wider), and
-    ``others_cpu_ms`` the longest any ran (a thread holding the GIL through a long call shows there).
+    ``others_cpu_ms`` the longest any ran (a thread holding the GIL through a long call shows there). That
+    excuse holds only while the loop was not seen waiting of its own accord: ``seen_at`` is where the watchdog
+    saw the loop's thread in a lock, a thread's start or a socket during the stall (``BLOCKING_FRAMES``).
     ``at``: wall time."""
 
     ms: float
@@ -389,22 +391,37 @@ class LoopStall:
     at: float
     others_cpu_ms: float = 0.0
     others_runqueue_ms: float = 0.0
+    seen_at: str = ""
 
     @property
     def blocked_ms(self) -> float:
         """What the loop itself lost: running code on it, or blocked, not counting the waits for a free core (its
         own, and that of the thread it may have waited on)."""
-        return max(0.0, self.ms - self.runqueue_ms - self.others_runqueue_ms)
+        excused = 0.0 if self.seen_at else self.others_runqueue_ms
+        return max(0.0, self.ms - self.runqueue_ms - excused)
+
+
+# Where the watchdog may see the loop's thread wait of its own accord (a lock, a thread's start, a socket); seen
+# anywhere else it was most likely waiting for the GIL at a switch point.
+BLOCKING_FRAMES = ("threading.py:", "socket.py:", "selectors.py:", "subprocess.py:", "queue.py:")
 
 
 def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
     """The stalls over ``LOOP_LOG_MS`` a ``loop_probe`` worker logged, from wall time ``since`` on."""
-    stalls = []
+    stalls, seen = [], []
     for line in proc.log.read_text(errors="replace").splitlines():
         if line.startswith("faultkit: loop stall"):
             kv = dict(part.split("=") for part in line.split()[3:])
             stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["runqueue_ms"]), float(kv["at"]),
                                     float(kv.get("others_cpu_ms", 0)), float(kv.get("others_runqueue_ms", 0))))
+        elif line.startswith("faultkit: loop stuck"):
+            at, _, where = line.removeprefix("faultkit: loop stuck at=").partition(" loop: ")
+            if where.startswith(BLOCKING_FRAMES):
+                seen.append((float(at), where.partition(" | ")[0]))
+    for i, s in enumerate(stalls):
+        blocking = [where for at, where in seen if s.at - s.ms / 1000 <= at <= s.at]
+        if blocking:
+            stalls[i] = replace(s, seen_at=blocking[0])
     return [s for s in stalls if s.at >= since]
 
 
