@@ -66,7 +66,15 @@ def smollm2_path():
 def hf_smollm2(smollm2_path):
     """Transformers' own float32 SmolLM2 from the GGUF file, the parity reference; its conversion is the slowest
     set-up in the suite, so the modules that compare with it share one."""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
+    # Transformers parses the file twice and builds the same tensor-name map once per tensor (~20 s of ~30 s
+    # here): the same objects, each made once, make the same model.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                    dtype=torch.float32).eval()
