@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
     """A pool of ``workers`` threads, all started. An executor starts a thread on the submit that needs one, and
-    starting a thread waits until it runs: on a loaded host the caller, the event loop, waited up to ~0.2 s for
-    a first read's thread. Pools the loop submits to start theirs here, at start-up."""
+    starting a thread waits until it runs, which on a loaded host blocked the caller, the event loop, for longer
+    than its stall limit (docs/reliability.md). Pools the loop submits to start theirs here, at start-up."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
     running = threading.Barrier(workers + 1)
     for _ in range(workers):

@@ -115,9 +115,9 @@ class Engine:
         self.metrics.watch(lambda: cache_families(self.cache.stats()), self.scheduler.queue_stats)
         self.metrics.model_name = self.model_name
         self.scheduler.start()
-        # Start-up leaves a few hundred thousand long-lived objects (torch, the tokenizer, the app); a full collection
-        # walks them all while holding the interpreter lock, which stalls the event loop for a few hundred ms under
-        # load. Frozen, they are out of every collection's reach: a full one walks only what came after.
+        # Start-up leaves hundreds of thousands of long-lived objects (torch, the tokenizer, the app); a full
+        # collection walks them all holding the interpreter lock, past the event loop's stall limit
+        # (docs/reliability.md). Frozen, they are out of every collection's reach: a full one walks only newer ones.
         gc.collect()
         gc.freeze()
         self.ready, self.not_ready_reason = True, ""

@@ -60,7 +60,7 @@ def read_config(path: Path) -> ModelConfig:
 @contextmanager
 def without_random_init() -> Iterator[None]:
     """Build linear and embedding layers without their random init: ``load_weights`` fills every parameter or
-    refuses the checkpoint, so the init's cost (a second per start-up on a small model) buys nothing."""
+    refuses the checkpoint, so the init's cost (a noticeable share of start-up) buys nothing."""
     saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
     for cls in saved:
         cls.reset_parameters = lambda self: None
