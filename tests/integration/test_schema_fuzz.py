@@ -9,7 +9,6 @@ must give the declared 502/504 within the short deadlines set here, never a 500 
 """
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
@@ -25,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.servers import Proc, free_port, start_worker
+from tests.servers import Proc, free_port, start_workers
 from tests.tiny_model import save_tiny_chat_model
 
 PD_TOKEN = "fuzz-token"
@@ -47,9 +46,7 @@ def workers(tmp_path_factory) -> Iterator[dict[str, Proc]]:
                             "--transfer-timeout-s", "1"),
     }
     env = {"DECODE_WORKER_PD_TOKEN": PD_TOKEN}
-    with concurrent.futures.ThreadPoolExecutor(len(ROLES)) as pool:
-        started = {r: pool.submit(start_worker, r, logs, r, *flags[r], env=env) for r in ROLES}
-        procs = {r: f.result() for r, f in started.items()}
+    procs = start_workers({r: (r, flags[r], env) for r in ROLES}, logs)
     yield procs
     for proc in procs.values():
         proc.stop()

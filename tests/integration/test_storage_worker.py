@@ -21,7 +21,7 @@ from decode_worker.cache.node import chain_hashes, token_key
 from decode_worker.cache.storage import FileStore, encode_record
 from decode_worker.cache.storage.base import HEADER_BYTES
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, pd_generate, start_worker, wait_pages_free
+from tests.servers import Proc, free_port, pd_generate, start_worker, start_workers, wait_pages_free
 
 PS = 16
 HICACHE = ["--page-size", str(PS), "--max-total-tokens", "1024", "--disaggregation-decode-enable-radix-cache",
@@ -159,22 +159,19 @@ def pd_restarted(logs, tmp_path_factory, smollm2_path):
     folder with the same flags, a fresh prefill, and beside them decode C, which has no L3."""
     folder = tmp_path_factory.mktemp("pd-l3")
     storage = ["--hicache-storage-backend", "file", "--hicache-storage-url", str(folder)]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        started = [pool.submit(start_worker, "pd-prefill", logs, "prefill", "--page-size", str(PS)),
-                   pool.submit(start_worker, "pd-decode-a", logs, "decode", *HICACHE, *storage)]
-        prefill, a = (f.result() for f in started)
-        reference = {}
-        try:
-            for base in (11, 12):
-                reference[base], cached = pd_tokens(prefill, a, prompt(base))
-                assert sum(cached.values()) == 0
-        finally:
-            a.stop()  # graceful: queued L3 backups are stored before it exits
-            prefill.stop()
-        started = [pool.submit(start_worker, "pd-prefill-2", logs, "prefill", "--page-size", str(PS)),
-                   pool.submit(start_worker, "pd-decode-b", logs, "decode", *HICACHE, *storage),
-                   pool.submit(start_worker, "pd-decode-c", logs, "decode", *HICACHE)]
-        procs = [f.result() for f in started]
+    prefill, a = start_workers({"pd-prefill": ("prefill", ("--page-size", str(PS)), None),
+                                "pd-decode-a": ("decode", (*HICACHE, *storage), None)}, logs).values()
+    reference = {}
+    try:
+        for base in (11, 12):
+            reference[base], cached = pd_tokens(prefill, a, prompt(base))
+            assert sum(cached.values()) == 0
+    finally:
+        a.stop()  # graceful: queued L3 backups are stored before it exits
+        prefill.stop()
+    procs = list(start_workers({"pd-prefill-2": ("prefill", ("--page-size", str(PS)), None),
+                                "pd-decode-b": ("decode", (*HICACHE, *storage), None),
+                                "pd-decode-c": ("decode", tuple(HICACHE), None)}, logs).values())
     yield *procs, reference
     for proc in procs:
         proc.stop()
@@ -283,12 +280,11 @@ def shared_redis(logs, tmp_path_factory, smollm2_path):
                    "--hicache-storage-prefetch-timeout-base-s", "1.5",
                    "--hicache-storage-prefetch-timeout-per-1k-tokens-s", "0",
                    "--hicache-storage-prefetch-timeout-cap-s", "1.5"]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        r1 = pool.submit(start_worker, "redis-1", logs, "colocated", *HICACHE, *redis,
-                         "--hicache-storage-url", server.url)
-        r2 = pool.submit(start_worker, "redis-2", logs, "colocated", *HICACHE, *redis, *r2_deadline,
-                         "--hicache-storage-url", f"redis://127.0.0.1:{proxy.port}")
-        workers = [f.result() for f in (r1, r2)]
+    workers = list(start_workers({
+        "redis-1": ("colocated", (*HICACHE, *redis, "--hicache-storage-url", server.url), None),
+        "redis-2": ("colocated", (*HICACHE, *redis, *r2_deadline, "--hicache-storage-url",
+                                  f"redis://127.0.0.1:{proxy.port}"), None),
+    }, logs).values())
     yield server, proxy, *workers
     for proc in workers:
         proc.stop()
