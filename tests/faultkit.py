@@ -602,9 +602,8 @@ def _probe_loop() -> None:
                 frames = sys._current_frames()
                 where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
                                     for f in _stack(frames.get(loop_thread), 6))
-                others = "; ".join(f"{t.name}: {_stack(frames.get(t.ident), 1)[0].f_code.co_name}"
-                                   for t in threading.enumerate() if t.ident in frames and t.ident != loop_thread
-                                   and _stack(frames.get(t.ident), 1))
+                others = "; ".join(f"{t.name}: {frames[t.ident].f_code.co_name}" for t in threading.enumerate()
+                                   if t.ident in frames and t.ident != loop_thread)
                 _log_line(f"faultkit: loop stuck at={time.time():.3f} loop: {where} | others: {others}")
 
     async def start_with_probe(self) -> None:
