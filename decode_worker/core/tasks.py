@@ -41,11 +41,20 @@ class SharedRun:
     async def __call__(self, run: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         task = self._task
         if task is None or (task.done() and time.monotonic() - self._ended_at >= self.reuse_s):
-            task = self._task = asyncio.ensure_future(run())
-            task.add_done_callback(self._ended)
+            task = self._task = asyncio.ensure_future(self._timed(run))
+            task.add_done_callback(_retrieve)
         return await asyncio.shield(task)  # a caller that leaves does not cancel the others' run
 
-    def _ended(self, task: asyncio.Task) -> None:
-        self._ended_at = time.monotonic()
-        if not task.cancelled():
-            task.exception()  # retrieved: a failure nobody awaited any more is not logged as never retrieved
+    async def _timed(self, run: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        """The end time is set before the task is done (a done-callback would leave a window in which a caller sees
+        a finished run with the previous end time, and starts another)."""
+        try:
+            return await run()
+        finally:
+            self._ended_at = time.monotonic()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A failure nobody awaited any more is not logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()

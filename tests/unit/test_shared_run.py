@@ -44,3 +44,22 @@ def test_a_caller_that_leaves_does_not_cancel_the_run():
         assert await shared(work) == "done"
 
     asyncio.run(scenario())
+
+
+def test_a_caller_just_after_the_run_ends_shares_its_outcome():
+    """A caller scheduled between the run's end and its done-callbacks sees a finished run: it must share it, not
+    start another (the end time was once set by a callback, so such a caller read the previous run's end)."""
+    runs = []
+
+    async def work():
+        runs.append(1)
+
+    async def scenario():
+        shared = SharedRun(reuse_s=10.0)
+        first = asyncio.ensure_future(shared(work))
+        await asyncio.sleep(0)  # first creates the run's task, which is now ready to run
+        second = asyncio.ensure_future(shared(work))  # ready after that task's only step, before its callbacks
+        await asyncio.gather(first, second)
+
+    asyncio.run(scenario())
+    assert len(runs) == 1
