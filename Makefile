@@ -1,7 +1,9 @@
 # Two commands do all set-up on a fresh machine:  `make run` (the main job) and `make test` (the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -m "not slow"
+# Two xdist workers: the tests that start processes run one after another on one, the unit tests on the other
+# (tests/conftest.py's scheduler).
+PYTEST_ARGS ?= -m "not slow" -n 2
 
 .PHONY: setup system-deps run generate test test-all mutation bench clean
 
@@ -38,7 +40,7 @@ test: setup system-deps
 # Everything, slow suites included; the lm-eval test needs the eval extra, installed here only.
 test-all: setup
 	$(PY) -m pip install --quiet -e '.[eval]'
-	$(MAKE) test PYTEST_ARGS=""
+	$(MAKE) test PYTEST_ARGS="-n 2"
 
 # Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.
 mutation: setup

@@ -8,6 +8,22 @@ import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
+PROCESS_SUITES = {"integration", "e2e", "soak"}  # folders whose tests start worker, router or server processes
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called only when it runs the tests
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs two xdist workers: every test that starts processes goes to one of them, in file order, and
+    the other takes the unit tests module by module. The process tests hold deadlines and watch for stalls, so two of
+    them never compete for the cores; the unit tests fill the core that their waits leave idle."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "processes" if nodeid.split("/")[1] in PROCESS_SUITES else nodeid.split("::", 1)[0]
+
+    return ProcessTestsTogether(config, log)
+
 
 def save_random_checkpoint(path, model_type: str, **overrides) -> None:
     """Write a small random-weight checkpoint with transformers' own save_pretrained."""
