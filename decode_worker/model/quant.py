@@ -83,9 +83,33 @@ class DenseLinear:
         return torch.nn.functional.linear(x, self.weight)
 
 
-def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> HalfLinear | DenseLinear:
-    """Wide inputs' matmul: fp16-packed for float32, else a dense ``dtype`` copy."""
-    return HalfLinear(weight) if dtype == torch.float32 else DenseLinear(weight.to(dtype))
+class PackedLinear:
+    """``x @ W.T``, ``W`` reordered once into oneDNN's blocked bf16 layout. A plain bf16 matmul reorders the weight
+    on every call, which costs as much as the product itself at decode's row counts; the results are the same."""
+
+    PACKED_FOR_ROWS = 32  # the layout's row-count hint; any row count computes correctly
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(),
+                                                              self.PACKED_FOR_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+
+
+def packs_bf16() -> bool:
+    """Whether oneDNN computes bf16 natively here (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> HalfLinear | PackedLinear | DenseLinear:
+    """Wide inputs' matmul: fp16-packed for float32, oneDNN-packed for bf16 where the CPU has it, else a dense
+    ``dtype`` copy."""
+    if dtype == torch.float32:
+        return HalfLinear(weight)
+    if dtype == torch.bfloat16 and weight.device.type == "cpu" and packs_bf16():
+        return PackedLinear(weight)
+    return DenseLinear(weight.to(dtype))
 
 
 class Int4Linear(nn.Module):

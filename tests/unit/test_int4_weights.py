@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from decode_worker.model.loader import load_model
-from decode_worker.model.quant import Q4_GROUP, DenseLinear, HalfLinear, Int4Linear, Q4Blocks, kernel_scales_and_zeros
+from decode_worker.model.quant import (Q4_GROUP, DenseLinear, HalfLinear, Int4Linear, PackedLinear, Q4Blocks,
+                                       kernel_scales_and_zeros, packs_bf16)
 
 
 def random_blocks(rows: int, cols: int, seed: int = 0) -> Q4Blocks:
@@ -49,7 +50,19 @@ def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
     scale = ref.abs().max().item()
     assert (wide.float() - ref).abs().max().item() < 0.02 * scale
     assert (narrow.float() - ref).abs().max().item() < 0.02 * scale
-    assert isinstance(layer.wide, DenseLinear) and layer.wide.weight.dtype == torch.bfloat16
+    assert isinstance(layer.wide, PackedLinear if packs_bf16() else DenseLinear)
+
+
+@pytest.mark.skipif(not packs_bf16(), reason="oneDNN has no native bf16 on this CPU (no AVX512-BF16 or AMX)")
+def test_the_packed_bf16_weight_gives_the_dense_matmul_bit_for_bit():
+    """The weight reordered once computes exactly what a plain bf16 matmul computes, at every row count (the layout
+    is packed for 32 rows), so packing changes speed and never an output."""
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    packed = PackedLinear(weight)
+    for rows in (1, 5, 12, 31, 32, 33, 100):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, weight)), rows
+        assert torch.equal(packed(x.t().contiguous().t()), torch.nn.functional.linear(x, weight)), rows  # strided
 
 
 def test_float32_activations_run_the_int4_kernel_in_bf16_and_wide_inputs_in_fp16():
