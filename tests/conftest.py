@@ -20,7 +20,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ProcessTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "processes" if nodeid.split("/")[1] in PROCESS_SUITES else nodeid.split("::", 1)[0]
+            module = nodeid.split("::", 1)[0]
+            return "processes" if PROCESS_SUITES & set(module.split("/")[:-1]) else module
 
     return ProcessTestsTogether(config, log)
 
