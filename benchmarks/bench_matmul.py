@@ -1,10 +1,12 @@
-"""The matmul choices of a float32 model with low-bit weights, on this CPU: SmolLM2's 30 layers of distinct
-weights (cache-cold, as in the model) and its vocabulary matrix, float32 in and out, per number of rows.
+"""The CPU matmul choices for SmolLM2's 30 layers of distinct weights (cache-cold, as in the model) and its
+vocabulary matrix, float32 in and out, per number of rows.
 
-Variants: ``dense`` (float32 GEMM, what transformers runs), ``int4`` (torch's int4 kernel, activations in bf16: its
-only vectorized x86 path), ``fp16`` (fbgemm's fp16-packed GEMM), ``int8`` (torch's int8 weight-only kernel, bf16
-activations). Prints one JSON line: median ms per pass and the ratio to dense in the same run.
-Usage: python benchmarks/bench_matmul.py [--rows 1 4 8 16 32] [--variants dense int4 fp16 int8] [--repeats 7]
+Variants: ``dense`` (float32 GEMM, what transformers runs), ``packed`` (float32, the weight reordered once for
+oneDNN), ``int4`` (torch's int4 kernel, activations in bf16: its only vectorized x86 path), ``fp16`` (fbgemm's
+fp16-packed GEMM), ``int8`` (torch's int8 weight-only kernel, bf16 activations), ``bf16`` and ``bf16_packed`` (a bf16
+weight, plain or reordered once; activations cast to bf16). Prints one JSON line: median ms per pass and the ratio to
+dense in the same run.
+Usage: python benchmarks/bench_matmul.py [--rows 1 4 8 16 32] [--variants dense packed int4 fp16 int8] [--repeats 7]
 """
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ def make(variant: str, rows: int, cols: int, g: torch.Generator) -> Matmul:
     w = torch.randn(rows, cols, generator=g) * 0.05
     if variant == "dense":
         return lambda x: torch.nn.functional.linear(x, w)
+    if variant in ("packed", "bf16", "bf16_packed"):
+        weight = w if variant == "packed" else w.bfloat16()
+        packed = weight if variant == "bf16" else torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        if variant == "bf16":
+            return lambda x: torch.nn.functional.linear(x.to(weight.dtype), weight).float()
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), packed, None, "none", [], "").float()
     if variant == "fp16":
         packed = torch.ops.quantized.linear_prepack_fp16(w, None)
         return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed)
@@ -69,7 +77,7 @@ def bench_variant(variant: str, rows_list: list[int], repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    ap.add_argument("--variants", nargs="+", default=["dense", "int4", "fp16", "int8"])
+    ap.add_argument("--variants", nargs="+", default=["dense", "packed", "int4", "fp16", "int8"])
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     results = {v: bench_variant(v, args.rows, args.repeats) for v in dict.fromkeys(["dense", *args.variants])}

@@ -30,7 +30,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_context, config.rope_theta, config.rope_scaling)
         self.scale = config.head_dim**-0.5
-        self.head_matmul = None  # a low-bit copy of the vocabulary matrix, set by the loader
+        self.head_matmul = None  # the vocabulary matmul's packed CPU form, set by the loader
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
-from decode_worker.model.quant import HalfLinear, Int4Linear
+from decode_worker.model.matmul import head_matmul, pack_linears
+from decode_worker.model.quant import Int4Linear
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.model.weights import load_weights, weights_digest
 
@@ -91,7 +92,8 @@ def keeps_int4(path: Path, dtype: torch.dtype, device: str, low_bit_float32: boo
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
                int4: bool | None = None, low_bit_float32: bool = False) -> LoadedModel:
-    """``int4`` None: ``keeps_int4`` decides; float32 with int4 layers also reads the vocabulary as fp16."""
+    """``int4`` None: ``keeps_int4`` decides; float32 with int4 layers also reads the vocabulary as fp16. On CPU the
+    dense linears and the vocabulary matmul take ``matmul``'s packed forms."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
@@ -107,12 +109,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model = LlamaModel(config)
     load_weights(model, tensors, INT4_WIDE_FROM_ROWS.get(dtype))  # copies cast each tensor into the parameter's dtype
     int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
-    if int4_layers and dtype == torch.float32:
-        model.head_matmul = HalfLinear(model.head_weight())
+    digest = weights_digest(model)  # before packing: packed weights are opaque, and the digest stays what it was
+    model.head_matmul = head_matmul(model.head_weight(), low_bit=int4_layers > 0)
+    pack_linears(model, skip=("lm_head",))
     model.eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None
     _return_freed_memory()
-    return LoadedModel(config, model, tok, weights_digest(model), int4_layers)
+    return LoadedModel(config, model, tok, digest, int4_layers)
 
 
 def _return_freed_memory() -> None:

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from decode_worker.model.matmul import wide_linear
+
 Q4_GROUP = 32  # values per Q4_1 block, and the kernel's group size
 _INNER_K_TILES = 2  # the packing's K tiling: K must be a multiple of 16 * this
 
@@ -63,53 +65,6 @@ def kernel_scales_and_zeros(blocks: Q4Blocks, dtype: torch.dtype) -> torch.Tenso
     """The kernel's ``[cols // 32, rows, 2]`` table: ``scale = d``, ``zero = m + 8d``."""
     zero = blocks.minimum + 8 * blocks.scale
     return torch.stack((blocks.scale.t(), zero.t()), dim=-1).to(dtype).contiguous()
-
-
-class HalfLinear:
-    """``x @ W.T``, ``W`` packed for fbgemm's fp16 GEMM (float32 in and out)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-
-
-class DenseLinear:
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
-
-
-class PackedLinear:
-    """``x @ W.T``, ``W`` reordered once into oneDNN's blocked bf16 layout: faster than a plain bf16 matmul (which
-    leaves oneDNN the weight's layout to handle on every call), most at decode's row counts; the same results."""
-
-    PACKED_FOR_ROWS = 32  # the layout's row-count hint; any row count computes correctly
-
-    def __init__(self, weight: torch.Tensor):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(),
-                                                              self.PACKED_FOR_ROWS)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
-
-
-def packs_bf16() -> bool:
-    """Whether oneDNN computes bf16 natively here (AVX512-BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> HalfLinear | PackedLinear | DenseLinear:
-    """Wide inputs' matmul: fp16-packed for float32, oneDNN-packed for bf16 where the CPU has it, else a dense
-    ``dtype`` copy."""
-    if dtype == torch.float32:
-        return HalfLinear(weight)
-    if dtype == torch.bfloat16 and weight.device.type == "cpu" and packs_bf16():
-        return PackedLinear(weight)
-    return DenseLinear(weight.to(dtype))
 
 
 class Int4Linear(nn.Module):
