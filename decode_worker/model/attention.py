@@ -19,7 +19,7 @@ class StepPlan:
     write_rows: torch.Tensor
     context_rows: torch.Tensor | None = None
     pages: torch.Tensor | None = None
-    visible: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # CPU decode: 0 where a slot is visible, -inf past each row's length
 
 
 def plan_step(pool: KVPool, fb: ForwardBatch) -> StepPlan:
@@ -31,7 +31,9 @@ def plan_step(pool: KVPool, fb: ForwardBatch) -> StepPlan:
         num_pages = min(fb.page_table.shape[1], -(-int(fb.seq_lens.max()) // pool.page_size))
         plan.pages = fb.page_table[:, :num_pages].reshape(-1)
         slots = torch.arange(num_pages * pool.page_size, device=fb.seq_lens.device)
-        plan.visible = (slots < fb.seq_lens[:, None])[:, None, None, :]
+        hidden = (slots >= fb.seq_lens[:, None])[:, None, None, :]
+        # Additive, in the pool's dtype: SDPA would turn a boolean mask into this in every layer.
+        plan.mask = torch.zeros(hidden.shape, dtype=pool.k_pages(0).dtype).masked_fill_(hidden, float("-inf"))
     return plan
 
 
@@ -58,11 +60,11 @@ def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch
     batch, num_q_heads, head_dim = q.shape
     k_pages, v_pages = pool.k_pages(layer), pool.v_pages(layer)
     kv_heads = k_pages.shape[2]
-    length = plan.visible.shape[-1]
+    length = plan.mask.shape[-1]
     k = k_pages.index_select(0, plan.pages).view(batch, length, kv_heads, head_dim).transpose(1, 2)
     v = v_pages.index_select(0, plan.pages).view(batch, length, kv_heads, head_dim).transpose(1, 2)
     queries = q.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=plan.visible, scale=scale)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=plan.mask, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
 
 
