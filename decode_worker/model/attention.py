@@ -42,8 +42,8 @@ def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torc
     if k_pages.is_cuda:
         write_kv(k_pages, v_pages, fb.out_slots, k, v)
     else:
-        slot_rows(k_pages)[0].index_copy_(0, plan.write_rows, k.to(k_pages.dtype))
-        slot_rows(v_pages)[0].index_copy_(0, plan.write_rows, v.to(v_pages.dtype))
+        slot_rows(k_pages)[0].index_copy_(0, plan.write_rows, k if k.dtype == k_pages.dtype else k.to(k_pages.dtype))
+        slot_rows(v_pages)[0].index_copy_(0, plan.write_rows, v if v.dtype == v_pages.dtype else v.to(v_pages.dtype))
 
 
 def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -19,9 +19,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``F.rms_norm``'s steps in at least fp32 (the same bits), in a third of its eager ops."""
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        scale = wide.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return (wide * scale * self.weight.to(wide.dtype)).to(x.dtype)
+        wide = x if x.dtype == torch.float32 else x.to(torch.promote_types(x.dtype, torch.float32))
+        weight = self.weight if self.weight.dtype == wide.dtype else self.weight.to(wide.dtype)
+        out = wide * wide.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_() * weight
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -73,9 +74,11 @@ class RopeTables:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, heads, D]`` rotated in at least float32."""
-        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+        wide = x if x.dtype == torch.float32 else x.to(torch.promote_types(x.dtype, torch.float32))
+        x1, x2 = wide.chunk(2, dim=-1)
         cos, sin = self.cos, self.sin
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class MLP(nn.Module):

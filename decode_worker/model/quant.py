@@ -84,10 +84,11 @@ class Int4Linear(nn.Module):
         self.wide = None if wide_from_rows is None else wide_linear(blocks.dequantize(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.wide is not None and flat.shape[0] >= self.wide_from_rows:
             out = self.wide(flat)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(self.kernel_dtype), self.packed, Q4_GROUP,
-                                                             self.scales_and_zeros).to(x.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+        else:  # casts only where needed: a decode step runs this 120 times, and even a no-op cast costs a dispatch
+            narrow = flat if flat.dtype == self.kernel_dtype else flat.to(self.kernel_dtype)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(narrow, self.packed, Q4_GROUP, self.scales_and_zeros)
+            out = out if out.dtype == x.dtype else out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
