@@ -22,6 +22,7 @@ from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
 from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.model.embedded import ensure_default_model
+from decode_worker.model.matmul import ByRows, PackedLinear
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -84,6 +85,15 @@ def time_prefill_transformers(model, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - start)
 
 
+def head_form(matmul) -> str:
+    """The vocabulary matmul's form, as the JSON line records it."""
+    if matmul is None:
+        return "plain"
+    if isinstance(matmul, ByRows):
+        return f"{type(matmul.narrow).__name__} below {matmul.wide_from_rows} rows, else {type(matmul.wide).__name__}"
+    return type(matmul).__name__
+
+
 def compare(a: list[float], b: list[float]) -> dict:
     o, t = statistics.median(a), statistics.median(b)
     return {"ours_tok_s": round(o, 1), "transformers_tok_s": round(t, 1), "ratio": round(o / t, 2)}
@@ -96,7 +106,9 @@ def bench_dtype(path, dtype: torch.dtype, low_bit: bool, args: argparse.Namespac
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype).eval()
     time_ours(llm, chat_ids(llm, 2), 4)  # warm-up both
     time_transformers(hf, chat_ids(llm, 2), 4, 2)
-    out = {"int4_layers": llm.loaded.int4_layers, "fp16_head": llm.loaded.model.head_matmul is not None, "decode": {}}
+    model = llm.loaded.model
+    out = {"int4_layers": llm.loaded.int4_layers, "packed_layers": sum(isinstance(m, PackedLinear) for m in model.layers.modules()),
+           "head_matmul": head_form(model.head_matmul), "decode": {}}
     for bs in args.batches:
         prompts = chat_ids(llm, bs)
         ours, theirs = [], []
