@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 
 import pytest
 import numpy as np
@@ -26,6 +27,33 @@ from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+class StepEngine(CopyEngine):
+    """Copies run only when the test calls ``run`` (``step_copies``: at the start of each scheduler step), in the
+    real engine's order, so a copy queued during a step is still in flight for the rest of that step, as a slow copy
+    would be, however busy the machine is."""
+
+    def _submit(self, job) -> Future:
+        self.pending.push(job)
+        return job.future
+
+    def run(self) -> None:
+        while (job := self.pending.pop()) is not None:
+            self.run_job(job)
+            job.future.result()  # a copy that raised fails the test here
+
+
+def step_copies(scheduler: Scheduler) -> StepEngine:
+    """Run ``scheduler``'s ``StepEngine`` copies at the start of each of its steps."""
+    engine, step = scheduler.cache.engine, scheduler._step
+
+    async def stepping() -> bool:
+        engine.run()
+        return await step()
+
+    scheduler._step = stepping
+    return engine
+
 
 KVSource = Callable[[PendingReceive, np.ndarray], Awaitable[tuple[int, float]]]
 
@@ -228,8 +256,11 @@ def watch_resumptions(scheduler: Scheduler) -> list[tuple[int, int, int]]:
 def test_retraction_resumes_with_identical_output(tiny_models, prompts, reference, host_ratio, policy):
     """An L1 too small for all ten at once retracts (to L2 when there is one) and resumes them; under
     write_back, evicted pages drain to L2 while requests wait for them. With L2 a resumed request gets back
-    the KV it had computed (restored from L2, not recomputed)."""
-    scheduler = make_scheduler(tiny_models["llama"], 160, host_ratio, policy)
+    the KV it had computed (restored from L2, not recomputed). Copies run at each step's start, so whether a
+    resumed request's pages had left L1 does not depend on how busy the machine is."""
+    scheduler = make_scheduler(tiny_models["llama"], 160, host_ratio, policy, engine=StepEngine)
+    if host_ratio:
+        step_copies(scheduler)
     resumptions = watch_resumptions(scheduler)
     assert asyncio.run(run_all(scheduler, prompts)) == reference
     assert scheduler.metrics.retractions._value.get() > 0

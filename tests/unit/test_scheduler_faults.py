@@ -9,7 +9,6 @@ import random
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -25,7 +24,8 @@ from decode_worker.scheduler.admission import PEER_LOOKAHEAD
 from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.transfer.deadline import run_to_the_end
-from tests.unit.test_scheduler import GREEDY, PeerKV, collect, make_scheduler, run_all, settle
+from tests.unit.test_scheduler import (GREEDY, PeerKV, StepEngine, collect, make_scheduler, run_all, settle,
+                                   step_copies)
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +42,11 @@ def reference(tiny_models, prompts) -> list[list[int]]:
     return asyncio.run(run_all(make(tiny_models["llama"], 4096, host_ratio=0), prompts))
 
 
-class StepEngine(CopyEngine):
-    """Copies run only when the test calls ``run`` (here: at the start of each scheduler step), in the real
-    engine's order, so a copy queued during a step is still in flight for the rest of that step, as a slow copy
-    would be."""
-
-    def __init__(self, device: KVPool, host: KVPool):
-        super().__init__(device.buffer, host.buffer)
-
-    def _submit(self, job) -> Future:
-        self.pending.push(job)
-        return job.future
-
-    def run(self) -> None:
-        while (job := self.pending.pop()) is not None:
-            self.run_job(job)
-            job.future.result()  # a copy that raised fails the test here
-
-
 class HeldEngine(CopyEngine):
     """Copies wait in the copy thread while ``gate`` is closed; ``held`` records that one did."""
 
-    def __init__(self, device: KVPool, host: KVPool):
-        super().__init__(device.buffer, host.buffer)
+    def __init__(self, device_buffer: torch.Tensor, host_buffer: torch.Tensor):
+        super().__init__(device_buffer, host_buffer)
         self.gate = threading.Event()
         self.gate.set()
         self.held = False
@@ -81,7 +63,7 @@ def make(path, max_total_tokens: int, engine_cls=None, host_ratio: float = 3.0, 
     loaded = load_model(path, dtype=torch.float64, tokenizer=False)
     runner = ModelRunner(loaded, max_total_tokens, page_size=4)
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
-    engine = engine_cls(runner.pool, host) if engine_cls and host else None
+    engine = engine_cls(runner.pool.buffer, host.buffer) if engine_cls and host else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
     roles = {"source": PeerKV(kv_source)} if kv_source is not None else {}
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "",
@@ -93,19 +75,15 @@ def make(path, max_total_tokens: int, engine_cls=None, host_ratio: float = 3.0, 
 
 def test_one_retraction_per_step_while_backups_pin_pages(tiny_models, prompts, reference):
     scheduler = make(tiny_models["llama"], 160, StepEngine)
-    engine, step = scheduler.cache.engine, scheduler._step
+    engine = step_copies(scheduler)
     retracted_at: Counter[int] = Counter()
     retract = scheduler._retract
-
-    async def stepping() -> bool:
-        engine.run()
-        return await step()
 
     def counting(req) -> None:
         retracted_at[scheduler.steps] += 1
         retract(req)
 
-    scheduler._step, scheduler._retract = stepping, counting
+    scheduler._retract = counting
     assert asyncio.run(run_all(scheduler, prompts)) == reference
     assert retracted_at, "the test needs L1 to run out"
     assert max(retracted_at.values()) == 1, f"retractions per step: {dict(retracted_at)}"

@@ -54,7 +54,7 @@ from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
 from tests.unit.test_scheduler import PeerKV, settle
-from tests.unit.test_scheduler_faults import StepEngine
+from tests.unit.test_scheduler import StepEngine
 
 S = ReqState
 _rng = random.Random(11)
@@ -135,7 +135,7 @@ def build(model, max_total_tokens: int, host_ratio: float, write_policy: str, ma
     """A float64 scheduler with 4-token pages whose copies run only when the machine says (``StepEngine``)."""
     runner = ModelRunner(model, max_total_tokens, page_size=4)
     host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
-    engine = StepEngine(runner.pool, host) if host is not None else None
+    engine = StepEngine(runner.pool.buffer, host.buffer) if host is not None else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", max_running=max_running,
                      max_prefill_tokens=64, load_back_timeout_s=1e9, source=ScriptedPeer(model, runner.pool))
