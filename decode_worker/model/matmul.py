@@ -31,8 +31,8 @@ class DenseLinear:
 
 class PackedLinear(nn.Module):
     """``x @ W.T + b``, ``W`` reordered once into oneDNN's blocked layout, in its own dtype (float32 or bf16). A plain
-    matmul leaves oneDNN or MKL the weight's layout to handle on every call; the packed form is faster at every row
-    count measured (``benchmarks/bench_matmul.py``), most at decode's few rows."""
+    matmul leaves oneDNN or MKL the weight's layout to handle on every call; the packed form is faster at decode's
+    row counts (``benchmarks/bench_matmul.py``) and no slower in prefill."""
 
     PACKED_FOR_ROWS = 32  # the layout's row-count hint; any row count computes correctly
 
