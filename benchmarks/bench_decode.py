@@ -149,14 +149,15 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch; medians are reported")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="alternating runs per batch; medians are reported (this machine's speed drifts by a third)")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"], choices=["auto", "float32", "bfloat16"],
                     help="auto: what --dtype auto serves on this machine")
     ap.add_argument("--out", help="also write the JSON line to this file")
     args = ap.parse_args()
     path = ensure_default_model()
     result = {"bench": "decode", "model": path.name, "cpu": cpu_name(), "new_tokens": args.new_tokens,
-              "threads": torch.get_num_threads(), "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S,
+              "threads": torch.get_num_threads(), "repeats": args.repeats, "llama_cpp_batch1_tok_s": LLAMA_CPP_BATCH1_TOK_S,
               "load_average_start": os.getloadavg()[0], "dtypes": {}}
     for key, (dtype, low_bit) in modes(args.dtypes).items():
         result["dtypes"][key] = bench_dtype(path, dtype, low_bit, args)
