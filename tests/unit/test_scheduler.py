@@ -28,6 +28,7 @@ from tests.cache_invariants import check_invariants
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
+
 class StepEngine(CopyEngine):
     """Copies run only when the test calls ``run`` (``step_copies``: at the start of each scheduler step), in the
     real engine's order, so a copy queued during a step is still in flight for the rest of that step, as a slow copy

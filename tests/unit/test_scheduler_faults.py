@@ -15,14 +15,9 @@ import torch
 
 from decode_worker.cache.copy_engine import CopyEngine
 from decode_worker.cache.hicache import HierarchicalCache
-from decode_worker.cache.pool import KVPool
 from decode_worker.core.request import Bootstrap, GenerateInput, RequestError
-from decode_worker.metrics import Metrics
-from decode_worker.model.loader import load_model
-from decode_worker.model.runner import ModelRunner
 from decode_worker.scheduler.admission import PEER_LOOKAHEAD
 from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
-from decode_worker.scheduler.scheduler import Scheduler
 from decode_worker.transfer.deadline import run_to_the_end
 from tests.unit.test_scheduler import (GREEDY, PeerKV, StepEngine, collect, make_scheduler, run_all, settle,
                                    step_copies)
@@ -39,7 +34,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_models, prompts) -> list[list[int]]:
     """Outputs with L1 to spare: no retraction, no eviction."""
-    return asyncio.run(run_all(make(tiny_models["llama"], 4096, host_ratio=0), prompts))
+    return asyncio.run(run_all(make_scheduler(tiny_models["llama"], 4096), prompts))
 
 
 class HeldEngine(CopyEngine):
@@ -58,23 +53,11 @@ class HeldEngine(CopyEngine):
         super()._copy(*args)
 
 
-def make(path, max_total_tokens: int, engine_cls=None, host_ratio: float = 3.0, write_policy: str = "write_through",
-         kv_source=None) -> Scheduler:
-    loaded = load_model(path, dtype=torch.float64, tokenizer=False)
-    runner = ModelRunner(loaded, max_total_tokens, page_size=4)
-    host = KVPool(runner.layout, int((runner.num_pages - 1) * host_ratio)) if host_ratio else None
-    engine = engine_cls(runner.pool.buffer, host.buffer) if engine_cls and host else None
-    cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
-    roles = {"source": PeerKV(kv_source)} if kv_source is not None else {}
-    return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "",
-                     max_running=32, max_prefill_tokens=512, load_back_timeout_s=10, **roles)
-
-
 # -- defect 3: no retraction cascade while a retracted request's backup pins its pages ----------------------------
 
 
 def test_one_retraction_per_step_while_backups_pin_pages(tiny_models, prompts, reference):
-    scheduler = make(tiny_models["llama"], 160, StepEngine)
+    scheduler = make_scheduler(tiny_models["llama"], 160, 3.0, engine=StepEngine)
     engine = step_copies(scheduler)
     retracted_at: Counter[int] = Counter()
     retract = scheduler._retract
@@ -98,8 +81,8 @@ def test_loop_keeps_serving_while_requests_wait_for_a_copy(tiny_models):
     """Under write_back a running request waits for a demotion copy to free the pages it needs; meanwhile the
     event loop must go on serving (HTTP, SSE, UCX): a ticker task measures the longest stall."""
     first, second = list(range(1, 101)), list(range(200, 252))  # 27 pages cached, then 13 (+3 to decode); L1: 40
-    expected = asyncio.run(run_all(make(tiny_models["llama"], 1024, host_ratio=0), [first, second]))
-    scheduler = make(tiny_models["llama"], 160, HeldEngine, write_policy="write_back")
+    expected = asyncio.run(run_all(make_scheduler(tiny_models["llama"], 1024), [first, second]))
+    scheduler = make_scheduler(tiny_models["llama"], 160, 3.0, "write_back", engine=HeldEngine)
     engine = scheduler.cache.engine
     gaps: list[float] = []
 
@@ -153,7 +136,7 @@ def test_step_error_frees_delta_pages_only_after_the_transfer_ended(tiny_models)
         await run_to_the_end(copy)
         return 0, 0.0
 
-    scheduler = make(tiny_models["llama"], 160, host_ratio=0, kv_source=kv_source)
+    scheduler = make_scheduler(tiny_models["llama"], 160, kv_source=kv_source)
     poll, broken = scheduler.loading.poll, []
 
     def failing_once():

@@ -53,8 +53,7 @@ from decode_worker.scheduler.req import KVTransfer, Req
 from decode_worker.scheduler.roles import PeerPrompt, PendingReceive
 from decode_worker.scheduler.scheduler import Scheduler
 from tests.cache_invariants import check_invariants
-from tests.unit.test_scheduler import PeerKV, settle
-from tests.unit.test_scheduler import StepEngine
+from tests.unit.test_scheduler import PeerKV, StepEngine, settle
 
 S = ReqState
 _rng = random.Random(11)
