@@ -5,7 +5,8 @@ Prints one JSON line (and writes it to ``--out``): per dtype, decode tokens/s of
 (greedy, ``generate``), and prefill tokens/s of a ``--prefill-tokens`` prompt (ours: the extend step and the first
 token; transformers: one forward). Medians of ``--repeats`` alternating runs. ``auto`` is what ``--dtype auto``
 serves: on a CPU without native bf16 that is float32 with the GGUF's low-bit weights (``float32-lowbit``), while
-``float32`` is the exact, dense reference. The CPU and the load average (start and end) go in the line too.
+``float32`` is the exact reference (float32 math on the file's exact weights: the native low-bit kernels at few rows
+where they build, dense float32 weights at many). The CPU and the load average (start and end) go in the line too.
 Usage: python benchmarks/bench_decode.py [--batches 1 8 32] [--new-tokens 64] [--dtypes auto float32] [--out F]
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from decode_worker.engine.llm import LLM
 from decode_worker.core.cpu_features import auto_dtype
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.matmul import ByRows, PackedLinear
+from decode_worker.model.quant import Int4Linear
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -108,6 +110,7 @@ def bench_dtype(path, dtype: torch.dtype, low_bit: bool, args: argparse.Namespac
     time_transformers(hf, chat_ids(llm, 2), 4, 2)
     model = llm.loaded.model
     out = {"int4_layers": llm.loaded.int4_layers, "packed_layers": sum(isinstance(m, PackedLinear) for m in model.layers.modules()),
+           "layer_matmul": next((m.form for m in model.modules() if isinstance(m, Int4Linear)), "dense"),
            "head_matmul": head_form(model.head_matmul), "decode": {}}
     for bs in args.batches:
         prompts = chat_ids(llm, bs)

@@ -9,7 +9,7 @@ import torch
 from decode_worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from decode_worker.model.dequant import dequantize
 from decode_worker.model.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-from decode_worker.model.quant import Q4Blocks, packable
+from decode_worker.model.quant import Q4Blocks, Q8Blocks, packable
 
 _TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
@@ -73,15 +73,20 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader: GGUFFile, config: ModelConfig, keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks]]:
-    """Every tensor as float32 under its HF name; with ``keep_q4``, Q4_1 layer matrices as ``Q4Blocks``."""
+def gguf_tensors(reader: GGUFFile, config: ModelConfig,
+                 keep_low_bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Blocks | Q8Blocks]]:
+    """Every tensor as float32 under its HF name; with ``keep_low_bit``, Q4_1 layer matrices as ``Q4Blocks`` and a
+    Q8_0 embedding or output matrix as ``Q8Blocks``."""
     from gguf import GGMLQuantizationType
 
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         parts = t.name.split(".")
-        if keep_q4 and parts[0] == "blk" and t.tensor_type == GGMLQuantizationType.Q4_1 and len(shape) == 2 and packable(*shape):
+        if keep_low_bit and parts[0] == "blk" and t.tensor_type == GGMLQuantizationType.Q4_1 and len(shape) == 2 and packable(*shape):
             tensor = Q4Blocks.from_gguf(t.data, *shape)
+        elif (keep_low_bit and t.name in ("token_embd.weight", "output.weight")
+              and t.tensor_type == GGMLQuantizationType.Q8_0 and len(shape) == 2):
+            tensor = Q8Blocks.from_gguf(t.data, *shape)
         else:
             tensor = torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(shape)
         if t.name == "token_embd.weight":

@@ -12,15 +12,23 @@ import torch
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
-from decode_worker.model.matmul import head_matmul, pack_linears
+from decode_worker.model.matmul import head_matmul, native_lowbit, pack_linears
 from decode_worker.model.quant import Int4Linear
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.model.weights import load_weights, weights_digest
 
 
 # Inputs of at least this many rows (tokens in a step) use an int4 layer's wide matmul instead of the int4 kernel:
-# the measured crossovers (benchmarks/bench_matmul.py) for bf16 on AVX512-BF16 and for float32 on AVX2.
+# the measured crossovers (benchmarks/bench_matmul.py) for bf16 on AVX512-BF16, and for float32 with the native
+# kernel (float32 math: it beats packed float32 weights through 32 rows) and with torch's (bf16 math, on AVX2).
 INT4_WIDE_FROM_ROWS = {torch.bfloat16: 12, torch.float16: 12, torch.float32: 6}
+NATIVE_FLOAT32_WIDE_FROM_ROWS = 48
+
+
+def int4_wide_from_rows(dtype: torch.dtype) -> int | None:
+    if dtype == torch.float32 and native_lowbit() is not None:
+        return NATIVE_FLOAT32_WIDE_FROM_ROWS
+    return INT4_WIDE_FROM_ROWS.get(dtype)
 
 
 @dataclass
@@ -84,16 +92,18 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def keeps_int4(path: Path, dtype: torch.dtype, device: str, low_bit_float32: bool = False) -> bool:
-    """Whether Q4_1 weights stay 4-bit: on CPU in 16-bit, in float32 only with ``low_bit_float32``
-    (explicit float32 is the exact reference)."""
-    wanted = dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and low_bit_float32)
+    """Whether Q4_1 weights stay 4-bit: on CPU in 16-bit; in float32 with ``low_bit_float32``, or where the native
+    kernels build (their float32 math on the exact weights keeps float32 the reference: wide inputs still use the
+    dense float32 weights)."""
+    wanted = dtype in (torch.bfloat16, torch.float16) or (
+        dtype == torch.float32 and (low_bit_float32 or native_lowbit() is not None))
     return path.is_file() and torch.device(device).type == "cpu" and wanted
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
                int4: bool | None = None, low_bit_float32: bool = False) -> LoadedModel:
-    """``int4`` None: ``keeps_int4`` decides; float32 with int4 layers also reads the vocabulary as fp16. On CPU the
-    dense linears and the vocabulary matmul take ``matmul``'s packed forms."""
+    """``int4`` None: ``keeps_int4`` decides; low-bit float32 also reads the vocabulary as fp16. On CPU the dense
+    linears and the vocabulary matmul take ``matmul``'s packed forms (a Q8_0 vocabulary its native one)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
@@ -101,16 +111,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if path.is_file():
         reader = open_gguf(path)
         config = gguf_config(reader, path.stem)
-        tensors = gguf_tensors(reader, config, keep_q4=int4)
+        tensors = gguf_tensors(reader, config, keep_low_bit=int4)
     else:
         config = read_config(path)
         tensors = _safetensors(path)
     with torch.device(device), default_dtype(dtype), without_random_init():
         model = LlamaModel(config)
-    load_weights(model, tensors, INT4_WIDE_FROM_ROWS.get(dtype))  # copies cast each tensor into the parameter's dtype
+    exact = not (dtype == torch.float32 and low_bit_float32)
+    # copies cast each tensor into the parameter's dtype
+    head_blocks = load_weights(model, tensors, int4_wide_from_rows(dtype), exact)
     int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
     digest = weights_digest(model)  # before packing: packed weights are opaque, and the digest stays what it was
-    model.head_matmul = head_matmul(model.head_weight(), low_bit=int4_layers > 0)
+    model.head_matmul = head_matmul(model.head_weight(), low_bit=not exact and int4_layers > 0, q8_blocks=head_blocks)
     pack_linears(model, skip=("lm_head",))
     model.eval()
     tok = Tokenizer.load(path, config.eos_token_ids) if tokenizer else None

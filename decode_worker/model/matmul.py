@@ -1,6 +1,9 @@
-"""A weight's CPU matmul forms: reordered once for oneDNN, fp16-packed for fbgemm, or a plain dense copy."""
+"""A weight's CPU matmul forms: reordered once for oneDNN, fp16-packed for fbgemm, low-bit blocks for the native
+kernels, or a plain dense copy."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -8,7 +11,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decode_worker.model.embedded import cache_dir
+
 Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def native_lowbit() -> ctypes.CDLL | None:
+    """The low-bit CPU kernels (``decode_worker_kernels.cpu_lowbit``), built once per machine into the cache
+    directory; None where no C compiler builds them (logged), and then torch's forms serve."""
+    from decode_worker_kernels import cpu_lowbit
+
+    return cpu_lowbit.load(cache_dir() / "kernels")
 
 
 class HalfLinear:
@@ -73,10 +87,10 @@ def packs_bf16() -> bool:
     return packs(torch.bfloat16)
 
 
-def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> Matmul:
-    """Many rows of a low-bit layer: fp16-packed for float32 (low-bit float32 stays low-bit), oneDNN-packed for bf16
-    where the CPU has it, else a dense ``dtype`` copy."""
-    if dtype == torch.float32:
+def wide_linear(weight: torch.Tensor, dtype: torch.dtype, exact: bool = False) -> Matmul:
+    """Many rows of a low-bit layer: for float32 fp16-packed (low-bit float32 stays low-bit), or with ``exact`` the
+    float32 weight packed; oneDNN-packed for bf16 where the CPU has it; else a dense ``dtype`` copy."""
+    if dtype == torch.float32 and not exact:
         return HalfLinear(weight)
     if weight.device.type == "cpu" and packs(dtype):
         return PackedLinear(weight.to(dtype))
@@ -84,20 +98,33 @@ def wide_linear(weight: torch.Tensor, dtype: torch.dtype) -> Matmul:
 
 
 HALF_HEAD_BELOW_ROWS = 4  # bf16 vocabulary matmul: fbgemm's fp16 GEMM beats the packed bf16 one below this many rows
+# The Q8_0 vocabulary matrix through the native kernel beats the packed form below these rows (bench_matmul.py).
+Q8_HEAD_BELOW_ROWS = {torch.bfloat16: 12, torch.float32: 64}
 
 
-def head_matmul(weight: torch.Tensor, low_bit: bool) -> Matmul | None:
-    """The vocabulary matmul's CPU form (float32 logits), or None for the plain matmul: fp16 for low-bit float32;
-    oneDNN-packed for float32; for bf16 fp16 at few rows (more precise than bf16, and reads half of float32's bytes)
-    and packed from ``HALF_HEAD_BELOW_ROWS`` rows."""
+def head_matmul(weight: torch.Tensor, low_bit: bool, q8_blocks=None) -> Matmul | None:
+    """The vocabulary matmul's CPU form (float32 logits), or None for the plain matmul. Given the file's Q8_0
+    blocks and the native kernels: those at few rows (a quarter of float32's bytes, the exact values). Else: fp16
+    for low-bit float32; oneDNN-packed for float32; for bf16 fp16 at few rows (more precise than bf16, and reads
+    half of float32's bytes) and packed from ``HALF_HEAD_BELOW_ROWS`` rows."""
     dtype = weight.dtype
     if weight.device.type != "cpu":
         return None
+    lib = native_lowbit() if q8_blocks is not None and dtype in Q8_HEAD_BELOW_ROWS else None
     if dtype == torch.float32:
-        return HalfLinear(weight) if low_bit else (PackedLinear(weight) if packs(dtype) else None)
-    if dtype == torch.bfloat16 and packs(dtype):
-        return ByRows(HalfLinear(weight), PackedLinear(weight), HALF_HEAD_BELOW_ROWS)
-    return None
+        wide = HalfLinear(weight) if low_bit else (PackedLinear(weight) if packs(dtype) else DenseLinear(weight))
+    elif dtype == torch.bfloat16 and packs(dtype):
+        wide = PackedLinear(weight)
+        if lib is None:
+            return ByRows(HalfLinear(weight), wide, HALF_HEAD_BELOW_ROWS)
+    else:
+        return None
+    if lib is None:
+        return None if isinstance(wide, DenseLinear) else wide
+    from decode_worker_kernels.cpu_lowbit import LowBitMatmul
+
+    narrow = LowBitMatmul.q8_0(lib, q8_blocks.codes, q8_blocks.scale, out_dtype=torch.float32)
+    return ByRows(narrow, wide, Q8_HEAD_BELOW_ROWS[dtype])
 
 
 def pack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:

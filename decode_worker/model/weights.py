@@ -9,7 +9,7 @@ import torch
 
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.llama import LlamaModel
-from decode_worker.model.quant import Int4Linear, Q4Blocks
+from decode_worker.model.quant import Int4Linear, Q4Blocks, Q8Blocks
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -40,12 +40,15 @@ def _fused_slot(config: ModelConfig, part: str) -> tuple[str, int, int] | None:
     return None
 
 
-def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks]],
-                 wide_from_rows: int | None = None) -> None:
-    """Fill every parameter (ModelLoadError if missing or mis-shaped); wholly-``Q4Blocks`` bias-free
-    linears become ``Int4Linear``."""
+def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | Q4Blocks | Q8Blocks]],
+                 wide_from_rows: int | None = None, exact: bool = False) -> Q8Blocks | None:
+    """Fill every parameter (ModelLoadError if missing or mis-shaped); wholly-``Q4Blocks`` bias-free linears become
+    ``Int4Linear`` (``exact`` as there). Returns the vocabulary matrix's ``Q8Blocks`` if it came as such (its
+    parameter holds the dequantized values too: the embedding lookup reads them)."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
+    head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    head_blocks = None
     quantized: dict[str, list[tuple[int, Q4Blocks]]] = {}
     for hf_name, tensor in tensors:
         if "rotary_emb" in hf_name:
@@ -69,7 +72,9 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | 
         if isinstance(tensor, Q4Blocks) and _bias_free_linear(model, target):
             quantized.setdefault(target, []).append((0 if rows is None else rows[0], tensor))
         else:
-            dest.copy_(tensor.dequantize() if isinstance(tensor, Q4Blocks) else tensor)
+            dest.copy_(tensor.dequantize() if isinstance(tensor, (Q4Blocks, Q8Blocks)) else tensor)
+            if isinstance(tensor, Q8Blocks) and target == head_name:
+                head_blocks = tensor
         filled[target] = filled.get(target, 0) + (dest.shape[0] if rows is not None else params[target].shape[0])
     missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
     if missing:
@@ -83,7 +88,8 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | 
         parent, _, attr = module_name.rpartition(".")
         dtype = params[target].dtype
         blocks = Q4Blocks.stack([b for _, b in sorted(pieces, key=lambda piece: piece[0])])
-        setattr(model.get_submodule(parent), attr, Int4Linear(blocks, dtype, wide_from_rows))
+        setattr(model.get_submodule(parent), attr, Int4Linear(blocks, dtype, wide_from_rows, exact))
+    return head_blocks
 
 
 def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
@@ -94,6 +100,9 @@ def _bias_free_linear(model: torch.nn.Module, weight_name: str) -> bool:
 def weights_digest(model: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
     """Digest of strided weight samples: checkpoints never share KV."""
     h = hashlib.sha256()
+    for name, module in model.named_modules():
+        if hasattr(module, "form"):
+            h.update(f"{name}:{module.form};".encode())
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // samples_per_tensor)

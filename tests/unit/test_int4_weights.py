@@ -12,7 +12,9 @@ from gguf.quants import dequantize, quantize
 
 from decode_worker.model.loader import load_model
 from decode_worker.model.matmul import DenseLinear, HalfLinear, PackedLinear, packs, packs_bf16
-from decode_worker.model.quant import Q4_GROUP, Int4Linear, Q4Blocks, kernel_scales_and_zeros
+from decode_worker.model import quant
+from decode_worker.model.quant import (Q4_GROUP, Int4Linear, NativeInt4Matmul, Q4Blocks, TorchInt4Matmul,
+                                       kernel_scales_and_zeros)
 
 
 def random_blocks(rows: int, cols: int, seed: int = 0) -> Q4Blocks:
@@ -30,13 +32,12 @@ def test_gguf_q4_1_bytes_parse_to_the_values_gguf_dequantizes():
     assert torch.equal(ours, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32)))
 
 
-def test_int4_kernel_computes_the_q4_1_blocks_matmul():
-    """Q4_1's ``d * q + m`` mapped onto the kernel's ``(q - 8) * scale + zero`` (float32 activations and table:
-    exact up to summation order)."""
+def test_torch_int4_kernel_computes_the_q4_1_blocks_matmul():
+    """The fallback where the native kernels do not build: Q4_1's ``d * q + m`` mapped onto torch's ``(q - 8) *
+    scale + zero`` (float32 activations and table: exact up to summation order)."""
     blocks = random_blocks(64, 128)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
-    layer = Int4Linear(blocks, torch.float32)
-    assert layer.wide is None
+    layer = TorchInt4Matmul(blocks, torch.float32)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, Q4_GROUP,
                                                      kernel_scales_and_zeros(blocks, torch.float32))
     assert (out - x @ blocks.dequantize().t()).abs().max().item() < 1e-4
@@ -55,12 +56,30 @@ def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
     assert isinstance(layer.wide, PackedLinear if packs_bf16() else DenseLinear)
 
 
-def test_float32_activations_run_the_int4_kernel_in_bf16_and_wide_inputs_in_fp16():
-    """float32 in and out: narrow inputs through the bf16-vectorized int4 kernel, wide ones through the fp16-packed
-    copy, both close to the dequantized float32 matmul (fp16 weights far closer than bf16 activations)."""
+def test_narrow_inputs_use_the_native_kernel_where_it_builds(monkeypatch):
+    blocks = random_blocks(64, 128, seed=6)
+    assert isinstance(Int4Linear(blocks, torch.float32).narrow,
+                      NativeInt4Matmul if quant.native_lowbit() is not None else TorchInt4Matmul)
+    monkeypatch.setattr(quant, "native_lowbit", lambda: None)
+    assert isinstance(Int4Linear(blocks, torch.float32).narrow, TorchInt4Matmul)
+
+
+def test_exact_float32_keeps_float32_weights_for_wide_inputs():
+    blocks = random_blocks(64, 128, seed=8)
+    layer = Int4Linear(blocks, torch.float32, wide_from_rows=6, exact=True)
+    assert isinstance(layer.wide, PackedLinear if packs(torch.float32) else DenseLinear)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(9))
+    assert (layer(x) - x @ blocks.dequantize().t()).abs().max().item() < 1e-5
+
+
+def test_float32_activations_without_native_kernels_run_torchs_in_bf16_and_wide_inputs_in_fp16(monkeypatch):
+    """float32 in and out, torch's forms: narrow inputs through the bf16-vectorized int4 kernel, wide ones through
+    the fp16-packed copy, both close to the dequantized float32 matmul (fp16 weights far closer than bf16
+    activations)."""
+    monkeypatch.setattr(quant, "native_lowbit", lambda: None)
     blocks = random_blocks(64, 128, seed=6)
     layer = Int4Linear(blocks, torch.float32, wide_from_rows=6)
-    assert layer.kernel_dtype == torch.bfloat16 and isinstance(layer.wide, HalfLinear)
+    assert layer.narrow.kernel_dtype == torch.bfloat16 and isinstance(layer.wide, HalfLinear)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
     ref = x @ blocks.dequantize().t()
     scale = ref.abs().max().item()
@@ -123,10 +142,22 @@ def smollm2_float32_models(smollm2_path):
             load_model(smollm2_path, dtype=torch.float32, tokenizer=False))
 
 
-def test_float32_keeps_low_bit_weights_only_when_asked(smollm2_float32_models):
+def test_float32_rounds_weights_to_fp16_only_when_asked(smollm2_float32_models):
+    """Low-bit float32 reads fp16 weights for many rows; exact float32 keeps the 4-bit layers only where the native
+    kernels do float32 math on them, and float32 weights for many rows. Their KV differs, and so do their digests."""
     low_bit, exact = smollm2_float32_models
-    assert low_bit.int4_layers == 4 * low_bit.config.num_layers and isinstance(low_bit.model.head_matmul, HalfLinear)
-    assert exact.int4_layers == 0 and isinstance(exact.model.head_matmul, PackedLinear if packs(torch.float32) else NoneType)
+    native = quant.native_lowbit() is not None
+    assert low_bit.int4_layers == 4 * low_bit.config.num_layers
+    head = low_bit.model.head_matmul
+    assert isinstance(head.wide if native else head, HalfLinear)
+    if native:
+        layer = exact.model.layers[0].mlp.gate_up_proj
+        assert exact.int4_layers == 4 * exact.config.num_layers and isinstance(layer.narrow, NativeInt4Matmul)
+        assert isinstance(layer.wide, PackedLinear if packs(torch.float32) else DenseLinear)
+        assert isinstance(exact.model.head_matmul.wide, PackedLinear if packs(torch.float32) else DenseLinear)
+    else:
+        assert exact.int4_layers == 0
+        assert isinstance(exact.model.head_matmul, PackedLinear if packs(torch.float32) else NoneType)
     assert low_bit.weights_digest != exact.weights_digest
 
 

@@ -91,3 +91,24 @@ def test_packing_a_models_linears_replaces_them_and_frees_their_dense_weights():
     assert dense_weight() is None, "the dense weight outlived its packed copy"
     assert isinstance(model[0], PackedLinear) and isinstance(model[2], PackedLinear) and model[3] is head
     assert torch.allclose(model(x), ref, rtol=0, atol=1e-5)
+
+
+def test_a_q8_vocabulary_matrix_runs_the_native_kernel_at_few_rows():
+    """Given the file's Q8_0 blocks, few rows read them (the exact values, float32 logits) and many rows the
+    dtype's packed form; both agree with the dequantized matmul."""
+    from decode_worker.model.matmul import Q8_HEAD_BELOW_ROWS, native_lowbit
+    from decode_worker.model.quant import Q8Blocks
+
+    if native_lowbit() is None:
+        pytest.skip("the native low-bit kernels did not build here (no C compiler)")
+    g = torch.Generator().manual_seed(11)
+    blocks = Q8Blocks(torch.randint(-127, 128, (64, 64), generator=g, dtype=torch.int8),
+                      (torch.rand(64, 2, generator=g) * 0.01).half().float())
+    weight = blocks.dequantize()
+    matmul = head_matmul(weight, low_bit=False, q8_blocks=blocks)
+    assert isinstance(matmul, ByRows) and matmul.wide_from_rows == Q8_HEAD_BELOW_ROWS[torch.float32]
+    for rows in (1, 7, Q8_HEAD_BELOW_ROWS[torch.float32]):
+        x = randn(rows, 64, seed=rows)
+        out = matmul(x)
+        assert out.dtype == torch.float32
+        assert (out - x @ weight.t()).abs().max().item() < 1e-5 * (x @ weight.t()).abs().max().item(), rows
