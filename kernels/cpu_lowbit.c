@@ -67,7 +67,11 @@ static void store_tile(const v16f *acc, int rows, void *out, int64_t ldo, int ou
         memcpy(lane, &acc[r], sizeof lane);
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + r * ldo;
+#if defined(__AVX512BF16__)
+            _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lane)));
+#else
             for (int i = 0; i < LANES; i++) o[i] = f32_to_bf16(lane[i]);
+#endif
         } else {
             memcpy((float *)out + r * ldo, lane, sizeof lane);
         }
