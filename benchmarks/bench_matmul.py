@@ -4,9 +4,11 @@ vocabulary matrix, float32 in and out, per number of rows.
 Variants: ``dense`` (float32 GEMM, what transformers runs), ``packed`` (float32, the weight reordered once for
 oneDNN), ``int4`` (torch's int4 kernel, activations in bf16: its only vectorized x86 path), ``fp16`` (fbgemm's
 fp16-packed GEMM), ``int8`` (torch's int8 weight-only kernel, bf16 activations), ``bf16`` and ``bf16_packed`` (a bf16
-weight, plain or reordered once; activations cast to bf16). Prints one JSON line: median ms per pass and the ratio to
+weight, plain or reordered once; activations cast to bf16), ``native`` and ``native_bf16`` (``kernels/cpu_lowbit.c``
+as the model uses it: Q4_1 layers and a Q8_0 vocabulary matrix, float32 math; activations float32 or bf16). Prints
+one JSON line: median ms per pass and the ratio to
 dense in the same run.
-Usage: python benchmarks/bench_matmul.py [--rows 1 4 8 16 32] [--variants dense packed int4 fp16 int8] [--repeats 7]
+Usage: python benchmarks/bench_matmul.py [--rows 1 4 8 16 32] [--variants dense packed int4 fp16 int8 native] [--repeats 7]
 """
 from __future__ import annotations
 
@@ -46,6 +48,22 @@ def make(variant: str, rows: int, cols: int, g: torch.Generator) -> Matmul:
         w8 = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
         scales = torch.rand(rows, generator=g).bfloat16()
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w8, scales).float()
+    if variant in ("native", "native_bf16"):
+        from decode_worker_kernels.cpu_lowbit import LowBitMatmul
+
+        from decode_worker.model.matmul import native_lowbit
+
+        lib = native_lowbit()
+        if lib is None:
+            raise SystemExit("the native low-bit kernels did not build here (see the warning)")
+        scale = torch.rand(rows, cols // 32, generator=g) * 0.01
+        if (rows, cols) == HEAD_SHAPE:
+            codes = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+            matmul = LowBitMatmul.q8_0(lib, codes, scale, out_dtype=torch.float32)
+        else:
+            codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+            matmul = LowBitMatmul.q4_1(lib, codes, scale, -8 * scale, out_dtype=torch.float32)
+        return matmul if variant == "native" else lambda x: matmul(x.bfloat16())
     raise ValueError(variant)
 
 
@@ -77,7 +95,7 @@ def bench_variant(variant: str, rows_list: list[int], repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    ap.add_argument("--variants", nargs="+", default=["dense", "packed", "int4", "fp16", "int8"])
+    ap.add_argument("--variants", nargs="+", default=["dense", "packed", "int4", "fp16", "int8", "native"])
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     results = {v: bench_variant(v, args.rows, args.repeats) for v in dict.fromkeys(["dense", *args.variants])}
