@@ -95,9 +95,10 @@ def keeps_int4(path: Path, dtype: torch.dtype, device: str, low_bit_float32: boo
     """Whether Q4_1 weights stay 4-bit: on CPU in 16-bit; in float32 with ``low_bit_float32``, or where the native
     kernels build (their float32 math on the exact weights keeps float32 the reference: wide inputs still use the
     dense float32 weights)."""
-    wanted = dtype in (torch.bfloat16, torch.float16) or (
+    if not path.is_file() or torch.device(device).type != "cpu":
+        return False
+    return dtype in (torch.bfloat16, torch.float16) or (
         dtype == torch.float32 and (low_bit_float32 or native_lowbit() is not None))
-    return path.is_file() and torch.device(device).type == "cpu" and wanted
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,
@@ -119,7 +120,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model = LlamaModel(config)
     exact = not (dtype == torch.float32 and low_bit_float32)
     # copies cast each tensor into the parameter's dtype
-    head_blocks = load_weights(model, tensors, int4_wide_from_rows(dtype), exact)
+    head_blocks = load_weights(model, tensors, int4_wide_from_rows(dtype) if int4 else None, exact)
     int4_layers = sum(isinstance(m, Int4Linear) for m in model.modules())
     digest = weights_digest(model)  # before packing: packed weights are opaque, and the digest stays what it was
     model.head_matmul = head_matmul(model.head_weight(), low_bit=not exact and int4_layers > 0, q8_blocks=head_blocks)
