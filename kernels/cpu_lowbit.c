@@ -78,20 +78,34 @@ static void store_tile(const v16f *acc, int rows, void *out, int64_t ldo, int ou
     }
 }
 
-/* One tile (16 outputs) for R rows of x; R is a constant in each instance so the accumulators stay in registers. */
-#define Q4_TILE(R)                                                                                                   \
-    static void q4_tile_##R(const float *x, int64_t K, const uint8_t *codes, const float *dm, void *out, int64_t ldo, \
-                            int out_bf16) {                                                                          \
+/* The weights of k = 2j and 2j + 1 (within block b) for a tile's 16 outputs, exactly as the file defines them. */
+static inline void q4_pair(const uint8_t *codes, const float *dm, int64_t b, int64_t j, v16f *w0, v16f *w1) {
+    const v16f d = load_f32(dm + b * 2 * LANES), m = load_f32(dm + b * 2 * LANES + LANES);
+    const v16u q = load_u8(codes + (b * BLOCK / 2 + j) * LANES);
+    *w0 = __builtin_convertvector(q & 15, v16f) * d + m;
+    *w1 = __builtin_convertvector(q >> 4, v16f) * d + m;
+}
+
+static inline void q8_pair(const uint8_t *codes, const float *d, int64_t b, int64_t j, v16f *w0, v16f *w1) {
+    const v16f scale = load_f32(d + b * LANES);
+    const int8_t *k = (const int8_t *)codes + (b * BLOCK + 2 * j) * LANES;
+    *w0 = load_s8(k) * scale;
+    *w1 = load_s8(k + LANES) * scale;
+}
+
+/* One tile (16 outputs) for R rows of x; R is a constant in each instance so the accumulators stay in registers.
+   FORMAT##_pair gives each pair of k's weights. */
+#define TILE(FORMAT, R)                                                                                              \
+    static void FORMAT##_tile_##R(const float *x, int64_t K, const uint8_t *codes, const float *tables, void *out,   \
+                                  int64_t ldo, int out_bf16) {                                                       \
         v16f acc[R];                                                                                                 \
         for (int r = 0; r < R; r++) acc[r] = (v16f){};                                                               \
         for (int64_t b = 0; b < K / BLOCK; b++) {                                                                    \
-            const v16f d = load_f32(dm + b * 2 * LANES), m = load_f32(dm + b * 2 * LANES + LANES);                   \
             v16f even[R], odd[R];                                                                                    \
             for (int r = 0; r < R; r++) even[r] = odd[r] = (v16f){};                                                 \
             for (int64_t j = 0; j < BLOCK / 2; j++) {                                                                \
-                const v16u q = load_u8(codes + (b * BLOCK / 2 + j) * LANES);                                         \
-                const v16f w0 = __builtin_convertvector(q & 15, v16f) * d + m;                                       \
-                const v16f w1 = __builtin_convertvector(q >> 4, v16f) * d + m;                                       \
+                v16f w0, w1;                                                                                         \
+                FORMAT##_pair(codes, tables, b, j, &w0, &w1);                                                        \
                 const int64_t k = b * BLOCK + 2 * j;                                                                 \
                 for (int r = 0; r < R; r++) {                                                                        \
                     even[r] += w0 * x[r * K + k];                                                                    \
@@ -103,37 +117,14 @@ static void store_tile(const v16f *acc, int rows, void *out, int64_t ldo, int ou
         store_tile(acc, R, out, ldo, out_bf16);                                                                      \
     }
 
-#define Q8_TILE(R)                                                                                                   \
-    static void q8_tile_##R(const float *x, int64_t K, const int8_t *codes, const float *d, void *out, int64_t ldo,   \
-                            int out_bf16) {                                                                          \
-        v16f acc[R];                                                                                                 \
-        for (int r = 0; r < R; r++) acc[r] = (v16f){};                                                               \
-        for (int64_t b = 0; b < K / BLOCK; b++) {                                                                    \
-            const v16f scale = load_f32(d + b * LANES);                                                              \
-            v16f even[R], odd[R];                                                                                    \
-            for (int r = 0; r < R; r++) even[r] = odd[r] = (v16f){};                                                 \
-            for (int64_t j = 0; j < BLOCK; j += 2) {                                                                 \
-                const int64_t k = b * BLOCK + j;                                                                     \
-                const v16f w0 = load_s8(codes + k * LANES) * scale, w1 = load_s8(codes + (k + 1) * LANES) * scale;  \
-                for (int r = 0; r < R; r++) {                                                                        \
-                    even[r] += w0 * x[r * K + k];                                                                    \
-                    odd[r] += w1 * x[r * K + k + 1];                                                                 \
-                }                                                                                                    \
-            }                                                                                                        \
-            for (int r = 0; r < R; r++) acc[r] += even[r] + odd[r];                                                  \
-        }                                                                                                            \
-        store_tile(acc, R, out, ldo, out_bf16);                                                                      \
-    }
+TILE(q4, 1) TILE(q4, 2) TILE(q4, 3) TILE(q4, 4) TILE(q4, 5) TILE(q4, 6) TILE(q4, 7) TILE(q4, 8)
+TILE(q8, 1) TILE(q8, 2) TILE(q8, 3) TILE(q8, 4) TILE(q8, 5) TILE(q8, 6) TILE(q8, 7) TILE(q8, 8)
 
-Q4_TILE(1) Q4_TILE(2) Q4_TILE(3) Q4_TILE(4) Q4_TILE(5) Q4_TILE(6) Q4_TILE(7) Q4_TILE(8)
-Q8_TILE(1) Q8_TILE(2) Q8_TILE(3) Q8_TILE(4) Q8_TILE(5) Q8_TILE(6) Q8_TILE(7) Q8_TILE(8)
-
-/* Both formats' tiles take (x, K, tile codes, tile tables, out, ldo, out_bf16); codes are bytes either way. */
-typedef void (*tile_fn)(const float *, int64_t, const void *, const float *, void *, int64_t, int);
-#define TILE_TABLE(name) {0, (tile_fn)name##_1, (tile_fn)name##_2, (tile_fn)name##_3, (tile_fn)name##_4, \
-                          (tile_fn)name##_5, (tile_fn)name##_6, (tile_fn)name##_7, (tile_fn)name##_8}
-static const tile_fn q4_tiles[ROWS + 1] = TILE_TABLE(q4_tile);
-static const tile_fn q8_tiles[ROWS + 1] = TILE_TABLE(q8_tile);
+typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, const float *, void *, int64_t, int);
+static const tile_fn q4_tiles[ROWS + 1] = {0, q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
+                                           q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8};
+static const tile_fn q8_tiles[ROWS + 1] = {0, q8_tile_1, q8_tile_2, q8_tile_3, q8_tile_4,
+                                           q8_tile_5, q8_tile_6, q8_tile_7, q8_tile_8};
 
 /* x as float32: itself, or a converted copy the caller frees (NULL if out of memory). */
 static const float *as_f32(const void *x, int x_bf16, int64_t count, float **owned) {

@@ -28,19 +28,16 @@ LANES = 16  # outputs per weight tile
 BLOCK = 32  # values per Q4_1 / Q8_0 block
 ABI = 1
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_loaded: dict[Path, ctypes.CDLL | None] = {}
 
 
 def load(cache: Path) -> ctypes.CDLL | None:
     """The compiled kernels (built into ``cache`` once per source, compiler and CPU), or None where they cannot be
-    built here; the reason is logged once."""
-    if cache not in _loaded:
-        try:
-            _loaded[cache] = _open(_build(cache if _writable(cache) else _private_temp_dir()))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            log.warning("low-bit CPU kernels unavailable (%s); using torch's matmul forms", e)
-            _loaded[cache] = None
-    return _loaded[cache]
+    built here, with the reason logged. Callers keep the result: each call checks the compiler's version."""
+    try:
+        return _open(_build(cache if _writable(cache) else _private_temp_dir()))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("low-bit CPU kernels unavailable (%s); using torch's matmul forms", e)
+        return None
 
 
 def _writable(directory: Path) -> bool:
@@ -128,6 +125,7 @@ class LowBitMatmul:
 
     def __init__(self, lib: ctypes.CDLL, kind: str, codes: torch.Tensor, tables: torch.Tensor, shape: tuple[int, int],
                  out_dtype: torch.dtype | None):
+        self.kind = kind
         self.kernel = lib.q4_1_matmul if kind == "q4_1" else lib.q8_0_matmul
         self.codes, self.tables = codes, tables
         self.out_features, self.in_features = shape

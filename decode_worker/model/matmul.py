@@ -112,19 +112,19 @@ def head_matmul(weight: torch.Tensor, low_bit: bool, q8_blocks=None) -> Matmul |
         return None
     lib = native_lowbit() if q8_blocks is not None and dtype in Q8_HEAD_BELOW_ROWS else None
     if dtype == torch.float32:
-        wide = HalfLinear(weight) if low_bit else (PackedLinear(weight) if packs(dtype) else DenseLinear(weight))
+        wide = HalfLinear(weight) if low_bit else (PackedLinear(weight) if packs(dtype) else None)
     elif dtype == torch.bfloat16 and packs(dtype):
         wide = PackedLinear(weight)
-        if lib is None:
-            return ByRows(HalfLinear(weight), wide, HALF_HEAD_BELOW_ROWS)
     else:
         return None
-    if lib is None:
-        return None if isinstance(wide, DenseLinear) else wide
-    from decode_worker_kernels.cpu_lowbit import LowBitMatmul
+    if lib is not None:
+        from decode_worker_kernels.cpu_lowbit import LowBitMatmul
 
-    narrow = LowBitMatmul.q8_0(lib, q8_blocks.codes, q8_blocks.scale, out_dtype=torch.float32)
-    return ByRows(narrow, wide, Q8_HEAD_BELOW_ROWS[dtype])
+        narrow = LowBitMatmul.q8_0(lib, q8_blocks.codes, q8_blocks.scale, out_dtype=torch.float32)
+        return ByRows(narrow, wide or DenseLinear(weight), Q8_HEAD_BELOW_ROWS[dtype])
+    if dtype == torch.bfloat16:
+        return ByRows(HalfLinear(weight), wide, HALF_HEAD_BELOW_ROWS)
+    return wide
 
 
 def pack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:

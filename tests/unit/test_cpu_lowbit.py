@@ -72,8 +72,7 @@ def test_bf16_in_and_out_round_only_the_ends(lib, rows):
         assert ours.dtype == torch.bfloat16
         assert torch.equal(ours, exact.float().bfloat16()) or (ours.double() - exact).abs().max().item() <= (
             2**-8 * exact.abs().max().item())
-        as_float = LowBitMatmul(lib, "q8_0" if matmul.kernel == lib.q8_0_matmul else "q4_1", matmul.codes,
-                                matmul.tables, (32, 128), out_dtype=torch.float32)(x)
+        as_float = LowBitMatmul(lib, matmul.kind, matmul.codes, matmul.tables, (32, 128), out_dtype=torch.float32)(x)
         assert as_float.dtype == torch.float32
         assert (as_float.double() - exact).abs().max().item() < 1e-5 * exact.abs().max().item()
 
