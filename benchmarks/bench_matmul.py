@@ -51,9 +51,9 @@ def make(variant: str, rows: int, cols: int, g: torch.Generator) -> Matmul:
     if variant in ("native", "native_bf16"):
         from decode_worker_kernels.cpu_lowbit import LowBitMatmul
 
-        from decode_worker.model.matmul import native_lowbit
+        from decode_worker.model.native import native_kernels
 
-        lib = native_lowbit()
+        lib = native_kernels()
         if lib is None:
             raise SystemExit("the native low-bit kernels did not build here (see the warning)")
         scale = torch.rand(rows, cols // 32, generator=g) * 0.01

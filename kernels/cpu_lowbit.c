@@ -10,24 +10,14 @@
  * scales. Activations and outputs are float32 or bf16 (flags). Threads: OpenMP over tiles (the process's runtime,
  * shared with torch).
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
-#define LANES 16
+#include "cpu_native.h"
+
 #define BLOCK 32
 #define ROWS 8
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-int lowbit_abi(void) { return 1; }
-
-static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+int native_abi(void) { return 2; }  /* the library's ABI, checked by cpu_native.py */
 
 static inline v16u load_u8(const uint8_t *p) {
 #if defined(__AVX512F__)
@@ -53,29 +43,8 @@ static inline v16f load_s8(const int8_t *p) {
 #endif
 }
 
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does for finite values */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static void store_tile(const v16f *acc, int rows, void *out, int64_t ldo, int out_bf16) {
-    for (int r = 0; r < rows; r++) {
-        float lane[LANES];
-        memcpy(lane, &acc[r], sizeof lane);
-        if (out_bf16) {
-            uint16_t *o = (uint16_t *)out + r * ldo;
-#if defined(__AVX512BF16__)
-            _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lane)));
-#else
-            for (int i = 0; i < LANES; i++) o[i] = f32_to_bf16(lane[i]);
-#endif
-        } else {
-            memcpy((float *)out + r * ldo, lane, sizeof lane);
-        }
-    }
+    for (int r = 0; r < rows; r++) store16((char *)out + r * ldo * (out_bf16 ? 2 : 4), acc[r], out_bf16);
 }
 
 /* The weights of k = 2j and 2j + 1 (within block b) for a tile's 16 outputs, exactly as the file defines them. */
@@ -132,7 +101,12 @@ static const float *as_f32(const void *x, int x_bf16, int64_t count, float **own
     if (!x_bf16) return (const float *)x;
     float *f = malloc(count * sizeof(float));
     if (f == NULL) return NULL;
-    for (int64_t i = 0; i < count; i++) f[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+        const v16f v = load16((const uint16_t *)x + i, 1);
+        memcpy(f + i, &v, sizeof v);
+    }
+    for (; i < count; i++) f[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     *owned = f;
     return f;
 }

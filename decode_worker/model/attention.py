@@ -1,15 +1,18 @@
 """Paged attention over the KV pool; a step's indices are planned once (``StepPlan``), not per layer."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from decode_worker_kernels import cpu_attention
 from decode_worker_kernels.kv_write import slot_index, slot_rows, write_kv
 from decode_worker_kernels.paged_attention import paged_decode_attention
 
 from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.native import native_kernels
 
 
 @dataclass
@@ -20,21 +23,39 @@ class StepPlan:
     context_rows: torch.Tensor | None = None
     pages: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # CPU decode: 0 where a slot is visible, -inf past each row's length
+    native: ctypes.CDLL | None = None  # CPU decode: the native kernels read the pages in place (no pages, no mask)
 
 
-def plan_step(pool: KVPool, fb: ForwardBatch) -> StepPlan:
+def plan_step(pool: KVPool, fb: ForwardBatch, q_heads: int) -> StepPlan:
     _, rows_per_page = slot_rows(pool.k_pages(0))
     plan = StepPlan(slot_index(fb.out_slots, pool.page_size, rows_per_page))
     if not fb.is_decode:
         plan.context_rows = slot_index(fb.context_slots, pool.page_size, rows_per_page)
     elif not fb.seq_lens.is_cuda:
-        num_pages = min(fb.page_table.shape[1], -(-int(fb.seq_lens.max()) // pool.page_size))
-        plan.pages = fb.page_table[:, :num_pages].reshape(-1)
-        slots = torch.arange(num_pages * pool.page_size, device=fb.seq_lens.device)
-        hidden = (slots >= fb.seq_lens[:, None])[:, None, None, :]
-        # Additive, in the pool's dtype: SDPA would turn a boolean mask into this in every layer.
-        plan.mask = torch.zeros(hidden.shape, dtype=pool.k_pages(0).dtype).masked_fill_(hidden, float("-inf"))
+        plan.native = native_decode_attention(pool, q_heads)
+        if plan.native is None:
+            _plan_gather(plan, pool, fb)
     return plan
+
+
+def _plan_gather(plan: StepPlan, pool: KVPool, fb: ForwardBatch) -> None:
+    """CPU decode without the native kernels: the pages every layer gathers and the mask over them."""
+    num_pages = min(fb.page_table.shape[1], -(-int(fb.seq_lens.max()) // pool.page_size))
+    plan.pages = fb.page_table[:, :num_pages].reshape(-1)
+    slots = torch.arange(num_pages * pool.page_size, device=fb.seq_lens.device)
+    hidden = (slots >= fb.seq_lens[:, None])[:, None, None, :]
+    # Additive, in the pool's dtype: SDPA would turn a boolean mask into this in every layer.
+    plan.mask = torch.zeros(hidden.shape, dtype=pool.k_pages(0).dtype).masked_fill_(hidden, float("-inf"))
+
+
+def native_decode_attention(pool: KVPool, q_heads: int) -> ctypes.CDLL | None:
+    """The native kernels where they built and take this pool's dtype and head shape (CPU only), else None."""
+    k_pages = pool.k_pages(0)
+    if k_pages.device.type != "cpu" or k_pages.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not cpu_attention.supports(q_heads, k_pages.shape[2], k_pages.shape[3]):
+        return None
+    return native_kernels()
 
 
 def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -50,6 +71,9 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.
     """Queries ``[T, Hq, D]`` attend over each request's KV in the pool."""
     if not fb.is_decode:
         return _extend_attention(pool, layer, fb, plan, q, scale)
+    if plan.native is not None:
+        return cpu_attention.paged_decode_attention_cpu(plan.native, q, pool.k_pages(layer), pool.v_pages(layer),
+                                                        fb.page_table, fb.seq_lens, scale)
     if plan.pages is None:
         return paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), fb.page_table, fb.seq_lens, scale)
     return _planned_decode_attention(pool, layer, plan, q, scale)

@@ -9,11 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode_worker.model.config import ModelConfig
+from decode_worker.model.native import native_kernels
+from decode_worker_kernels import cpu_norm
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation, computed in at least float32. On CPU ``F.rms_norm`` itself is faster for decode's few rows
-    and far slower for a prefill's many (bf16 at 1,000 rows: ~5x); both give the same bits."""
+    """RMS normalisation, computed in at least float32, out in the weight's dtype. Given a layer's output ``delta``,
+    the input is the residual stream and takes ``delta`` in place first. On CPU the native kernel does both in one
+    pass (it takes the float32 stream the CPU model keeps); without it, ``F.rms_norm`` is faster for decode's few
+    rows and far slower for a prefill's many (bf16 at 1,000 rows: ~5x); both give the same bits."""
 
     F_BELOW_ROWS = 128  # CPU rows below which ``F.rms_norm`` runs
 
@@ -22,13 +26,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if cpu_norm.fits(x, delta, self.weight) and (lib := native_kernels()) is not None:
+            return cpu_norm.rms_norm_cpu(lib, x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         if x.device.type == "cpu" and x.dtype == self.weight.dtype and x.numel() < self.F_BELOW_ROWS * x.shape[-1]:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         wide = x if x.dtype == torch.float32 else x.to(torch.promote_types(x.dtype, torch.float32))
         weight = self.weight if self.weight.dtype == wide.dtype else self.weight.to(wide.dtype)
         out = wide * wide.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_() * weight
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return out if out.dtype == self.weight.dtype else out.to(self.weight.dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

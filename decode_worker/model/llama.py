@@ -34,17 +34,20 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``."""
+        """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``. On CPU the residual stream
+        stays float32 whatever the layers' dtype (each layer's output is added to it inside the next norm)."""
         h = self.embed_tokens(fb.input_ids)
-        rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb)  # shared by every layer
+        h = h.float() if h.device.type == "cpu" else h
+        rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb, self.config.num_heads)  # for every layer
+        delta = None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), rope)
+            q, k, v = attn.qkv(layer.input_layernorm(h, delta), rope)
             store_kv(pool, i, fb, plan, k, v)
             o = attend(pool, i, fb, plan, q, self.scale)
-            h = h + attn.o_proj(o.reshape(o.shape[0], -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[fb.logits_indices])
+            delta = layer.mlp(layer.post_attention_layernorm(h, attn.o_proj(o.reshape(o.shape[0], -1))))
+        rows = fb.logits_indices
+        h = self.norm(h[rows], delta[rows])
         if self.head_matmul is not None:
             return self.head_matmul(h).float()
         return _logits(h, self.head_weight()).float()

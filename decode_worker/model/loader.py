@@ -12,11 +12,11 @@ import torch
 from decode_worker.model.config import ModelConfig, ModelLoadError
 from decode_worker.model.gguf_reader import gguf_config, gguf_tensors, open_gguf
 from decode_worker.model.llama import LlamaModel
-from decode_worker.model.matmul import head_matmul, native_lowbit, pack_linears
+from decode_worker.model.matmul import head_matmul, pack_linears
+from decode_worker.model.native import native_kernels
 from decode_worker.model.quant import Int4Linear
 from decode_worker.model.tokenizer import Tokenizer
 from decode_worker.model.weights import load_weights, weights_digest
-
 
 # Inputs of at least this many rows (tokens in a step) use an int4 layer's wide matmul instead of the int4 kernel:
 # the measured crossovers (benchmarks/bench_matmul.py) for bf16 on AVX512-BF16, and for float32 with the native
@@ -26,7 +26,7 @@ NATIVE_FLOAT32_WIDE_FROM_ROWS = 48
 
 
 def int4_wide_from_rows(dtype: torch.dtype) -> int | None:
-    if dtype == torch.float32 and native_lowbit() is not None:
+    if dtype == torch.float32 and native_kernels() is not None:
         return NATIVE_FLOAT32_WIDE_FROM_ROWS
     return INT4_WIDE_FROM_ROWS.get(dtype)
 
@@ -98,7 +98,7 @@ def keeps_int4(path: Path, dtype: torch.dtype, device: str, low_bit_float32: boo
     if not path.is_file() or torch.device(device).type != "cpu":
         return False
     return dtype in (torch.bfloat16, torch.float16) or (
-        dtype == torch.float32 and (low_bit_float32 or native_lowbit() is not None))
+        dtype == torch.float32 and (low_bit_float32 or native_kernels() is not None))
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer: bool = True,

@@ -2,8 +2,6 @@
 kernels, or a plain dense copy."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,18 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decode_worker.model.embedded import cache_dir
+from decode_worker.model.native import native_kernels
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
-
-
-@functools.cache
-def native_lowbit() -> ctypes.CDLL | None:
-    """The low-bit CPU kernels (``decode_worker_kernels.cpu_lowbit``), built once per machine into the cache
-    directory; None where no C compiler builds them (logged), and then torch's forms serve."""
-    from decode_worker_kernels import cpu_lowbit
-
-    return cpu_lowbit.load(cache_dir() / "kernels")
 
 
 class HalfLinear:
@@ -110,7 +99,7 @@ def head_matmul(weight: torch.Tensor, low_bit: bool, q8_blocks=None) -> Matmul |
     dtype = weight.dtype
     if weight.device.type != "cpu":
         return None
-    lib = native_lowbit() if q8_blocks is not None and dtype in Q8_HEAD_BELOW_ROWS else None
+    lib = native_kernels() if q8_blocks is not None and dtype in Q8_HEAD_BELOW_ROWS else None
     if dtype == torch.float32:
         wide = HalfLinear(weight) if low_bit else (PackedLinear(weight) if packs(dtype) else None)
     elif dtype == torch.bfloat16 and packs(dtype):

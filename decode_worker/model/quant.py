@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from decode_worker.model.matmul import Matmul, native_lowbit, wide_linear
+from decode_worker.model.matmul import Matmul, wide_linear
+from decode_worker.model.native import native_kernels
 
 Q4_GROUP = 32  # values per Q4_1 block, and the kernel's group size
 _INNER_K_TILES = 2  # the packing's K tiling: K must be a multiple of 16 * this
@@ -137,7 +138,7 @@ class Int4Linear(nn.Module):
         if not packable(rows, cols):
             raise ValueError(f"an int4 weight of shape {(rows, cols)} cannot be packed")
         self.in_features, self.out_features = cols, rows
-        lib = native_lowbit()
+        lib = native_kernels()
         self.narrow = NativeInt4Matmul(blocks, lib) if lib is not None else TorchInt4Matmul(blocks, dtype)
         self.wide_from_rows = wide_from_rows
         self.wide: Matmul | None = None if wide_from_rows is None else wide_linear(blocks.dequantize(), dtype, exact)

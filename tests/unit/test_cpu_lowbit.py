@@ -1,18 +1,15 @@
 """The native low-bit CPU kernels: Q4_1 and Q8_0 matmuls equal the dequantized float32 matmul up to float32
 rounding at every row count (the kernel works in groups of 8 rows), bf16 in and out round only where bf16 must, bad
-inputs are refused, and a machine without a C compiler falls back with a logged reason."""
+inputs are refused."""
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 
 import pytest
 import torch
-from decode_worker_kernels import cpu_lowbit
 from decode_worker_kernels.cpu_lowbit import LowBitMatmul
 
-from decode_worker.model.matmul import native_lowbit
+from decode_worker.model.native import native_kernels
 from decode_worker.model.quant import Q4Blocks, Q8Blocks
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -38,7 +35,7 @@ def q8_blocks(rows: int, cols: int, seed: int) -> Q8Blocks:
 
 @pytest.fixture(scope="module")
 def lib():
-    built = native_lowbit()
+    built = native_kernels()
     assert built is not None, "a C compiler is on PATH but the low-bit kernels did not build (see the warning)"
     return built
 
@@ -96,28 +93,3 @@ def test_bad_inputs_and_shapes_are_refused(lib):
     odd = q4_blocks(8, 64, seed=6)  # 8 outputs: not a whole tile of 16
     with pytest.raises(ValueError, match="does not tile"):
         LowBitMatmul.q4_1(lib, odd.codes, odd.scale, odd.minimum)
-
-
-def test_a_built_library_is_reused_and_a_missing_compiler_falls_back(tmp_path, monkeypatch, caplog):
-    first = cpu_lowbit._build(tmp_path / "ok")
-    stamp = first.stat().st_mtime_ns
-    assert cpu_lowbit._build(tmp_path / "ok") == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in (tmp_path / "ok").iterdir()] == [first.name]  # no partial file left behind
-
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level(logging.WARNING, logger=cpu_lowbit.__name__):
-        assert cpu_lowbit.load(tmp_path / "none") is None
-    assert "low-bit CPU kernels unavailable" in caplog.text and "no-such-cc" in caplog.text
-
-
-def test_a_read_only_cache_builds_into_a_private_temp_dir(tmp_path, monkeypatch):
-    """As in a pod with a read-only root: the library lands in a 0700 directory of this user under the temp dir,
-    and a directory others could write to is refused."""
-    monkeypatch.setattr(cpu_lowbit, "_writable", lambda directory: False)
-    monkeypatch.setattr(cpu_lowbit.tempfile, "gettempdir", lambda: str(tmp_path))
-    assert cpu_lowbit.load(tmp_path / "read-only") is not None
-    private = tmp_path / f"decode-worker-kernels-{os.getuid()}"
-    assert private.stat().st_mode & 0o777 == 0o700 and any(private.glob("cpu_lowbit-*.so"))
-    private.chmod(0o777)  # another user could now have planted a library
-    with pytest.raises(RuntimeError, match="not a private directory"):
-        cpu_lowbit._private_temp_dir()

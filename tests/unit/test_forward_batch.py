@@ -73,7 +73,7 @@ def test_extend_attention_reads_nothing_back(monkeypatch: pytest.MonkeyPatch):
     pool.buffer.normal_()
     fb = ForwardBatch.build([[1, 2, 3], [4, 5]], [0, 6], [[1, 2], [3, 4]], PAGE, CPU)
     q = torch.randn(5, 4, 8)
-    plan = plan_step(pool, fb)
+    plan = plan_step(pool, fb, q_heads=4)
     expected = attend(pool, 0, fb, plan, q, 0.3)
     reads = []
     for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
@@ -83,12 +83,20 @@ def test_extend_attention_reads_nothing_back(monkeypatch: pytest.MonkeyPatch):
     assert reads == [] and torch.equal(out, expected)
 
 
-def test_a_decode_step_reads_the_device_once_not_once_per_layer(tiny_models, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "gathered-sdpa"])
+def test_a_decode_step_reads_the_device_once_not_once_per_layer(tiny_models, monkeypatch: pytest.MonkeyPatch,
+                                                                  native: bool):
     """The step's indices (KV rows, pages, mask) are planned once for every layer: the CPU decode step's only read
-    of a tensor (its longest request, which sizes the gather) happens once per step, not once per layer."""
+    of a tensor (its longest request, which sizes the gather) happens once per step, not once per layer; the native
+    kernel reads the page table in place and needs no read at all."""
+    from decode_worker.model import attention
     from decode_worker.model.loader import load_model
     from decode_worker.model.runner import ModelRunner
 
+    if native and attention.native_kernels() is None:
+        pytest.skip("the native CPU kernels did not build here (no C compiler)")
+    if not native:
+        monkeypatch.setattr(attention, "native_kernels", lambda: None)
     runner = ModelRunner(load_model(tiny_models["llama"], tokenizer=False), max_total_tokens=256, page_size=PAGE)
     assert runner.config.num_layers > 1
     fb = runner.build_batch([[1], [2]], [5, 9], [[1, 2], [3, 4, 5]])
@@ -96,4 +104,4 @@ def test_a_decode_step_reads_the_device_once_not_once_per_layer(tiny_models, mon
     original = torch.Tensor.__int__
     monkeypatch.setattr(torch.Tensor, "__int__", lambda self: reads.append(1) or original(self))
     runner.forward(fb)
-    assert len(reads) == 1
+    assert len(reads) == (0 if native else 1)

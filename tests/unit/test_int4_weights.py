@@ -59,8 +59,8 @@ def test_wide_inputs_use_the_dense_copy_and_agree_with_the_int4_kernel():
 def test_narrow_inputs_use_the_native_kernel_where_it_builds(monkeypatch):
     blocks = random_blocks(64, 128, seed=6)
     assert isinstance(Int4Linear(blocks, torch.float32).narrow,
-                      NativeInt4Matmul if quant.native_lowbit() is not None else TorchInt4Matmul)
-    monkeypatch.setattr(quant, "native_lowbit", lambda: None)
+                      NativeInt4Matmul if quant.native_kernels() is not None else TorchInt4Matmul)
+    monkeypatch.setattr(quant, "native_kernels", lambda: None)
     assert isinstance(Int4Linear(blocks, torch.float32).narrow, TorchInt4Matmul)
 
 
@@ -76,7 +76,7 @@ def test_float32_activations_without_native_kernels_run_torchs_in_bf16_and_wide_
     """float32 in and out, torch's forms: narrow inputs through the bf16-vectorized int4 kernel, wide ones through
     the fp16-packed copy, both close to the dequantized float32 matmul (fp16 weights far closer than bf16
     activations)."""
-    monkeypatch.setattr(quant, "native_lowbit", lambda: None)
+    monkeypatch.setattr(quant, "native_kernels", lambda: None)
     blocks = random_blocks(64, 128, seed=6)
     layer = Int4Linear(blocks, torch.float32, wide_from_rows=6)
     assert layer.narrow.kernel_dtype == torch.bfloat16 and isinstance(layer.wide, HalfLinear)
@@ -146,7 +146,7 @@ def test_float32_rounds_weights_to_fp16_only_when_asked(smollm2_float32_models):
     """Low-bit float32 reads fp16 weights for many rows; exact float32 keeps the 4-bit layers only where the native
     kernels do float32 math on them, and float32 weights for many rows. Their KV differs, and so do their digests."""
     low_bit, exact = smollm2_float32_models
-    native = quant.native_lowbit() is not None
+    native = quant.native_kernels() is not None
     assert low_bit.int4_layers == 4 * low_bit.config.num_layers
     head = low_bit.model.head_matmul
     assert isinstance(head.wide if native else head, HalfLinear)

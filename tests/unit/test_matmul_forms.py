@@ -96,10 +96,11 @@ def test_packing_a_models_linears_replaces_them_and_frees_their_dense_weights():
 def test_a_q8_vocabulary_matrix_runs_the_native_kernel_at_few_rows():
     """Given the file's Q8_0 blocks, few rows read them (the exact values, float32 logits) and many rows the
     dtype's packed form; both agree with the dequantized matmul."""
-    from decode_worker.model.matmul import Q8_HEAD_BELOW_ROWS, native_lowbit
+    from decode_worker.model.matmul import Q8_HEAD_BELOW_ROWS
+    from decode_worker.model.native import native_kernels
     from decode_worker.model.quant import Q8Blocks
 
-    if native_lowbit() is None:
+    if native_kernels() is None:
         pytest.skip("the native low-bit kernels did not build here (no C compiler)")
     g = torch.Generator().manual_seed(11)
     blocks = Q8Blocks(torch.randint(-127, 128, (64, 64), generator=g, dtype=torch.int8),

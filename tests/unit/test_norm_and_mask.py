@@ -1,5 +1,6 @@
 """The decode step's hand-fused pieces compute the same bits as the torch ops they replace: RMSNorm as ``F.rms_norm``
-in float32 at decode's and prefill's row counts, rotary as its two halves computed apart, the additive attention mask
+in float32 at decode's and prefill's row counts (the native kernel up to float32 summation order, taking the layer's
+output into the float32 residual stream first), rotary as its two halves computed apart, the additive attention mask
 as SDPA's boolean one."""
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from decode_worker.model import layers
 from decode_worker.model.layers import RMSNorm, RotaryEmbedding
 
 
 @pytest.mark.parametrize("rows", [7, RMSNorm.F_BELOW_ROWS + 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_gives_f_rms_norm_bit_for_bit(dtype, rows):
+def test_rms_norm_gives_f_rms_norm_bit_for_bit_without_the_native_kernel(dtype, rows, monkeypatch):
+    monkeypatch.setattr(layers, "native_kernels", lambda: None)
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, eps=1e-5).to(dtype)
     norm.weight.data.copy_(torch.rand(576, generator=g) * 2)
@@ -20,6 +23,36 @@ def test_rms_norm_gives_f_rms_norm_bit_for_bit(dtype, rows):
     ref = F.rms_norm(x.float(), (576,), norm.weight.float(), 1e-5).to(dtype)
     assert norm(x).dtype == dtype
     assert torch.equal(norm(x), ref)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("dtype,delta_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+def test_the_float32_stream_takes_the_layer_output_and_normalises_once(dtype, delta_dtype, rows, monkeypatch):
+    """The CPU model's residual stream: ``h += delta`` exactly (one float32 add, in place), then the norm of the sum in
+    the weight's dtype: the native kernel equals ``F.rms_norm`` up to float32 summation order (so a bf16 result at
+    most one bf16 step away, and rarely), and the torch fallback gives the same."""
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, eps=1e-5).to(dtype)
+    norm.weight.data.copy_(torch.rand(576, generator=g) * 2)
+    h = torch.randn(rows, 576, generator=g) * 3
+    delta = torch.randn(rows, 576, generator=g).to(delta_dtype)
+    total = h + delta.float()
+    ref = F.rms_norm(total, (576,), norm.weight.float(), 1e-5)
+    results = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(layers, "native_kernels", lambda: None)
+        elif layers.native_kernels() is None:
+            continue  # no C compiler here: the fallback below is still checked
+        stream = h.clone()
+        results[native] = out = norm(stream, delta)
+        assert torch.equal(stream, total) and out.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+        else:
+            assert (out.float() - ref.to(dtype).float()).abs().max() <= (ref.abs().max() * 2 ** -7)
+            assert (out != ref.to(dtype)).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

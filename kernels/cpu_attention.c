@@ -1,0 +1,137 @@
+/* Paged decode attention for CPU: one new query per request reads its K/V straight from the pool's pages through
+ * its page-table row, with no gathered copy and no mask. One task per (request, kv head) handles the GQA group's
+ * query heads together, so each K/V row is loaded once for the group. Scores, softmax and the weighted sum run in
+ * float32 with an online softmax over chunks of up to 16 slots (one vector of scores); K/V and queries are
+ * float32 or bf16, the output float32 or bf16.
+ *
+ * Layout (as decode_worker.cache.pool): a page is [page_size][kv_heads][head_dim], contiguous; pages are
+ * page_stride elements apart. Query and output are [batch][q_heads][head_dim], contiguous.
+ */
+#include <math.h>
+
+#include "cpu_native.h"
+
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_CHUNKS 16  /* head_dim up to 256 */
+
+static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* e^x for x <= 0 (scores minus their maximum) within two ulp; below -104, 0. */
+static inline v16f exp_nonpositive(v16f x) {
+#if defined(__AVX512F__)
+    x = _mm512_max_ps((__m512)x, _mm512_set1_ps(-104.0f));
+    const v16f n = _mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16f r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  /* ln 2 in two parts */
+    v16f p = r * (1.0f / 5040) + (1.0f / 720);
+    p = p * r + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (v16f)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+    for (int i = 0; i < LANES; i++) x[i] = expf(x[i]);
+    return x;
+#endif
+}
+
+typedef struct {
+    int64_t group, chunks, slot_bytes, chunk_bytes;
+    int kv_bf16;
+} Shape;
+
+/* Scores of up to 16 slots (from kp, slot_bytes apart) for each query of the group; lanes past n are -inf. */
+static void chunk_scores(const Shape *s, const v16f q[][MAX_CHUNKS], const char *kp, int64_t n, v16f *scores) {
+    for (int64_t g = 0; g < s->group; g++) scores[g] = (v16f){} - INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        v16f k[MAX_CHUNKS];
+        for (int64_t c = 0; c < s->chunks; c++) k[c] = load16(kp + j * s->slot_bytes + c * s->chunk_bytes, s->kv_bf16);
+        for (int64_t g = 0; g < s->group; g++) {
+            v16f dot = q[g][0] * k[0];
+            for (int64_t c = 1; c < s->chunks; c++) dot += q[g][c] * k[c];
+            scores[g][j] = hsum(dot);
+        }
+    }
+}
+
+/* Fold a chunk's scores into the running maximum, denominator and weighted sum of V. */
+static void chunk_accumulate(const Shape *s, v16f *scores, const char *vp, int64_t n, float *max, float *denom,
+                             v16f acc[][MAX_CHUNKS]) {
+    for (int64_t g = 0; g < s->group; g++) {
+        float top = max[g];
+        for (int64_t j = 0; j < n; j++) top = scores[g][j] > top ? scores[g][j] : top;
+        const float rescale = max[g] == -INFINITY ? 0.0f : expf(max[g] - top);
+        max[g] = top;
+        scores[g] = exp_nonpositive(scores[g] - top);
+        for (int64_t j = n; j < LANES; j++) scores[g][j] = 0;
+        denom[g] = denom[g] * rescale + hsum(scores[g]);
+        for (int64_t c = 0; c < s->chunks; c++) acc[g][c] *= rescale;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        v16f v[MAX_CHUNKS];
+        for (int64_t c = 0; c < s->chunks; c++) v[c] = load16(vp + j * s->slot_bytes + c * s->chunk_bytes, s->kv_bf16);
+        for (int64_t g = 0; g < s->group; g++)
+            for (int64_t c = 0; c < s->chunks; c++) acc[g][c] += scores[g][j] * v[c];
+    }
+}
+
+/* flags: 1 query bf16, 2 K/V bf16, 4 output bf16. Returns 0; -1 when a page index is outside [0, num_pages) or a
+ * length outside [0, table_cols * page_size] (that request's output is left unwritten); -2 for shapes it does not
+ * take (head_dim not a multiple of 16 or over 256, a group over 16). A request of length 0 gets zeros. */
+int paged_decode_attention(const void *q, const void *k, const void *v, int64_t k_page_stride, int64_t v_page_stride,
+                           int64_t num_pages, int64_t page_size, const int64_t *table, int64_t table_stride,
+                           int64_t table_cols, const int64_t *seq_lens, int64_t batch, int64_t q_heads,
+                           int64_t kv_heads, int64_t head_dim, float scale, void *out, int flags) {
+    const int q_bf16 = flags & 1, kv_bf16 = (flags >> 1) & 1, out_bf16 = (flags >> 2) & 1;
+    if (kv_heads <= 0 || q_heads % kv_heads || q_heads / kv_heads > MAX_GROUP || head_dim % LANES ||
+        head_dim / LANES > MAX_CHUNKS || page_size <= 0)
+        return -2;
+    const int64_t kv_elem = kv_bf16 ? 2 : 4, q_elem = q_bf16 ? 2 : 4, out_elem = out_bf16 ? 2 : 4;
+    const Shape s = {q_heads / kv_heads, head_dim / LANES, kv_heads * head_dim * kv_elem, LANES * kv_elem, kv_bf16};
+    int status = 0;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        const int64_t b = task / kv_heads, h = task % kv_heads, len = seq_lens[b];
+        if (len < 0 || len > table_cols * page_size) { status = -1; continue; }
+        v16f qs[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], scores[MAX_GROUP];
+        float max[MAX_GROUP], denom[MAX_GROUP];
+        for (int64_t g = 0; g < s.group; g++) {
+            const char *row = (const char *)q + (b * q_heads + h * s.group + g) * head_dim * q_elem;
+            for (int64_t c = 0; c < s.chunks; c++) {
+                qs[g][c] = load16(row + c * LANES * q_elem, q_bf16) * scale;
+                acc[g][c] = (v16f){};
+            }
+            max[g] = -INFINITY;
+            denom[g] = 0;
+        }
+        int bad_page = 0;
+        int64_t n;
+        for (int64_t t = 0; t < len; t += n) {
+            const int64_t page = table[b * table_stride + t / page_size], offset = t % page_size;
+            if (page < 0 || page >= num_pages) { bad_page = 1; break; }
+            n = page_size - offset < LANES ? page_size - offset : LANES;
+            n = len - t < n ? len - t : n;
+            const int64_t slot = offset * kv_heads + h;
+            chunk_scores(&s, qs, (const char *)k + (page * k_page_stride + slot * head_dim) * kv_elem, n, scores);
+            chunk_accumulate(&s, scores, (const char *)v + (page * v_page_stride + slot * head_dim) * kv_elem, n, max,
+                             denom, acc);
+        }
+        if (bad_page) { status = -1; continue; }
+        for (int64_t g = 0; g < s.group; g++) {
+            const float inv = denom[g] > 0 ? 1.0f / denom[g] : 0.0f;
+            char *row = (char *)out + (b * q_heads + h * s.group + g) * head_dim * out_elem;
+            for (int64_t c = 0; c < s.chunks; c++) store16(row + c * LANES * out_elem, acc[g][c] * inv, out_bf16);
+        }
+    }
+    return status;
+}
