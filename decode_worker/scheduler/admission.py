@@ -1,4 +1,5 @@
-"""Admission: queue to LOADING or TRANSFERRING in FIFO order, retracted requests first."""
+"""Admission: queue to LOADING or TRANSFERRING in FIFO order, retracted requests first; a fresh prompt that shares
+pages with a prompt admitted before it but not yet computed waits for that one's extend (in-batch prefix sharing)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from decode_worker.cache.pool import OutOfPages
 from decode_worker.cache.prefix_cache import PrefixCache, has_storage
 from decode_worker.core.lifecycle import CacheHits, ReqState
+from decode_worker.core.sequence import TOKEN_BYTES
 from decode_worker.metrics import Metrics
 from decode_worker.scheduler.lookahead import StorageLookahead
 from decode_worker.scheduler.queues import Queues
@@ -21,11 +23,16 @@ PEER_LOOKAHEAD = 32
 """Queued requests per peer (a decode request's prefill, by bootstrap host and port) whose role may start early
 work (decode: handshakes, each an HTTP call prefill holds). Per peer, so a stalled prefill with many requests at
 the head of the queue holds up only its own: another prefill's requests behind them start their handshakes."""
+SHARE_MIN_TOKENS = 32
+"""A fresh prompt whose next whole pages, at least this many tokens of them, equal those of a prompt admitted but not
+yet computed waits for that prompt's extend and then reads them from the cache: a burst of requests with one system
+prompt computes it once, as SGLang's in-batch prefix caching does. Sharing fewer tokens is not worth the step it
+waits."""
 
 
 class Admission:
     def __init__(self, cache: PrefixCache, queues: Queues, source: PromptSource, metrics: Metrics,
-                 wakeup: asyncio.Event, *, page_size: int, max_running: int):
+                 wakeup: asyncio.Event, *, page_size: int, max_running: int, share_min_tokens: int = SHARE_MIN_TOKENS):
         self.cache = cache
         self.queues = queues
         self.source = source
@@ -33,6 +40,7 @@ class Admission:
         self.wakeup = wakeup  # set when a transfer ends, so the loop applies it at once
         self.page_size = page_size
         self.max_running = max_running
+        self.share_min_tokens = share_min_tokens
         self.lookahead = (StorageLookahead(cache, page_size, self.match_key, wakeup)
                           if has_storage(cache) else None)
 
@@ -46,17 +54,37 @@ class Admission:
                 self.source.prepare(req.peer, self.wakeup.set)
 
     def admit(self) -> None:
-        """Admit in order while slots and L1 allow, passing over requests whose peer has not answered; the first other
-        one that does not fit stops admission."""
+        """Admit in order while slots and L1 allow, passing over requests whose peer has not answered and fresh
+        prompts that wait for a sharing prompt's extend; the first other one that does not fit stops admission."""
+        computing = self._computing_keys()
         while self.queues.admitted() < self.max_running:
-            req = self._first_answered()
+            req = self._first_answered(computing)
             if req is None or not self._settled(req) or not self.try_alloc(req):
                 return
+            if not self.receives(req):
+                computing.append(self.match_key(req))
 
-    def _first_answered(self) -> Req | None:
+    def _first_answered(self, computing: list[bytes]) -> Req | None:
         queue = self.queues.retracted or self.queues.prealloc
         return next((req for req in self._peer_windows(queue)
-                     if not self.receives(req) or self.source.answered(req.peer)), None)
+                     if (not self.receives(req) or self.source.answered(req.peer))
+                     and not self._waits_for_sharer(req, computing)), None)
+
+    def _computing_keys(self) -> list[bytes]:
+        """The cache keys of admitted prompts that this worker computes and has not yet."""
+        admitted = [*self.queues.loading, *self.queues.extend]
+        return [self.match_key(req) for req in admitted if req.state is not S.TRANSFERRING and not self.receives(req)]
+
+    def _waits_for_sharer(self, req: Req, computing: list[bytes]) -> bool:
+        """True when fresh ``req`` would read at least ``share_min_tokens`` more tokens from the cache once one of the
+        ``computing`` prompts has been computed."""
+        if not computing or req.seq.output_ids or self.receives(req):
+            return False
+        key = self.match_key(req)
+        cached = self.cache.match(key).hit_tokens
+        page_bytes = self.page_size * TOKEN_BYTES
+        return any(shared_pages(key, other, page_bytes) * self.page_size - cached >= self.share_min_tokens
+                   for other in computing)
 
     def receives(self, req: Req) -> bool:
         """True when ``req``'s prompt KV is received: fresh, and its role receives it."""
@@ -138,3 +166,16 @@ class Admission:
         req.hits = CacheHits(h.device_hit_tokens, h.restored_tokens - storage, storage)
         for tier, n in req.hits.as_dict().items():
             self.metrics.cached_tokens.labels(tier).inc(n)
+
+
+def shared_pages(a: bytes, b: bytes, page_bytes: int) -> int:
+    """Whole pages equal at the start of both keys (a binary search of memory compares)."""
+    va, vb = memoryview(a), memoryview(b)
+    low, high = 0, min(len(a), len(b)) // page_bytes
+    while low < high:
+        mid = (low + high + 1) // 2
+        if va[: mid * page_bytes] == vb[: mid * page_bytes]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -22,7 +22,7 @@ from decode_worker.core.threads import started_pool
 from decode_worker.metrics import Metrics
 from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import SampleResult, make_generator
-from decode_worker.scheduler.admission import Admission
+from decode_worker.scheduler.admission import SHARE_MIN_TOKENS, Admission
 from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend_batch
 from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar, fill_mask
 from decode_worker.scheduler.loading import Loading
@@ -39,7 +39,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PrefixCache, metrics: Metrics, *,
                  eos_token_ids: tuple[int, ...], decode_text: Callable[[list[int]], str], max_running: int,
                  max_prefill_tokens: int, load_back_timeout_s: float, source: PromptSource = COLOCATED,
-                 done: PromptDone = COLOCATED):
+                 done: PromptDone = COLOCATED, share_min_tokens: int = SHARE_MIN_TOKENS):
         self.runner = runner
         self.cache = cache
         self.metrics = metrics
@@ -51,8 +51,9 @@ class Scheduler:
         self.queues = Queues()
         self.requests: dict[str, Req] = {}  # live: not yet answered
         self._wakeup = asyncio.Event()
+        # ``source``: where a fresh prompt's KV comes from
         self.admission = Admission(cache, self.queues, source, metrics, self._wakeup, page_size=self.page_size,
-                                   max_running=max_running)  # ``source``: where a fresh prompt's KV comes from
+                                   max_running=max_running, share_min_tokens=share_min_tokens)
         self.loading = Loading(cache, self.queues, metrics, page_size=self.page_size,
                                load_back_timeout_s=load_back_timeout_s)
         self._forward_thread = started_pool(1, "forward")

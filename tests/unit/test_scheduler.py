@@ -188,6 +188,43 @@ def test_requests_sharing_a_prefix_at_once_keep_one_copy(tiny_models, prompts, r
     settle(scheduler)
 
 
+def extends_of(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """Records each extend batch as it is applied: (requests, tokens computed)."""
+    postprocess, seen = scheduler.postprocess, []
+
+    def recorded(batch: Batch, result) -> None:
+        if batch.kind is BatchKind.EXTEND:
+            seen.append((len(batch.reqs), batch.forward.input_ids.numel()))
+        postprocess(batch, result)
+
+    scheduler.postprocess = recorded
+    return seen
+
+
+@pytest.mark.parametrize("share_min_tokens,deferred", [(32, True), (48, False)], ids=["shares", "below-threshold"])
+def test_a_burst_sharing_a_prompt_head_computes_it_once(tiny_models, share_min_tokens, deferred):
+    """Five requests arrive at once with a 40-token (10-page) head in common: the first is computed alone, the other
+    four wait for its extend and then compute only their tails, reading the head from the cache; their answers are
+    the cache-free ones. Where the head is shorter than the threshold, all five are computed together."""
+    rng = random.Random(8)
+    head = [rng.randrange(320) for _ in range(40)]
+    burst = [head + [rng.randrange(320) for _ in range(n)] for n in (3, 6, 1, 9, 4)]
+    offline = LLM(str(tiny_models["llama"]), max_total_tokens=4096, page_size=4, dtype=torch.float64,
+                  load_tokenizer=False, prefix_cache=False)
+    expected = [o.output_ids for o in offline.generate(burst, GREEDY)]
+    scheduler = make_scheduler(tiny_models["llama"], 4096)
+    scheduler.admission.share_min_tokens = share_min_tokens
+    extends = extends_of(scheduler)
+    assert asyncio.run(run_all(scheduler, burst)) == expected
+    cached = scheduler.metrics.cached_tokens.labels("device")._value.get()
+    if deferred:
+        assert extends == [(1, len(burst[0])), (4, sum(len(p) - len(head) for p in burst[1:]))]
+        assert cached == 4 * len(head)
+    else:
+        assert extends == [(5, sum(map(len, burst)))] and cached == 0
+    settle(scheduler)
+
+
 async def answer(scheduler: Scheduler, rid: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     """One greedy request's tokens and logprobs; raises the error it failed with."""
     ids, logprobs = [], []

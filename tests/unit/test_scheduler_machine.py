@@ -1,6 +1,7 @@
 """A hypothesis state machine over the real Scheduler on a tiny random-weight model.
 
-Rules submit colocated requests (some scoring their prompt from a random position, some generating nothing), requests
+Rules submit colocated requests (with shared heads, so some wait for another's extend to read them from the cache;
+some scoring their prompt from a random position, some generating nothing), requests
 whose output a grammar constrains (colocated or PD, where prefill's first token may be one the grammar refuses) and PD
 requests to one of two prefill peers (whose handshake answers now, later, never, or
 whose KV read fails), flood the queue's head with more requests for a third, stalled peer than one peer may look
@@ -66,7 +67,7 @@ BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an un
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
             "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
             "failing step, a read running", "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
-            "constrained request retracted")
+            "constrained request retracted", "waited for a sharing prompt's extend")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
 SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
 STOP = 0  # the constrained requests' stop token (the machine's requests ignore end-of-sequence otherwise)
@@ -137,7 +138,8 @@ def build(model, max_total_tokens: int, host_ratio: float, write_policy: str, ma
     engine = StepEngine(runner.pool.buffer, host.buffer) if host is not None else None
     cache = HierarchicalCache(runner.pool, host, write_policy=write_policy, engine=engine)
     return Scheduler(runner, cache, Metrics(), eos_token_ids=(), decode_text=lambda ids: "", max_running=max_running,
-                     max_prefill_tokens=64, load_back_timeout_s=1e9, source=ScriptedPeer(model, runner.pool))
+                     max_prefill_tokens=64, load_back_timeout_s=1e9, source=ScriptedPeer(model, runner.pool),
+                     share_min_tokens=runner.page_size)  # one shared page defers, so the PREFIXES reach it
 
 
 class Reference(NamedTuple):
@@ -256,6 +258,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def start(self, l1: int, host: float, policy: str, max_running: int) -> None:
         self.sched = build(self.model, l1, host, policy, max_running)
         self.peer.reqs = self.reqs
+        admission, waits = self.sched.admission, self.sched.admission._waits_for_sharer
+
+        def counted(req: Req, computing: list[bytes]) -> bool:
+            waited = waits(req, computing)
+            HITS["waited for a sharing prompt's extend"] += waited
+            return waited
+
+        admission._waits_for_sharer = counted
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), tail=TAILS, max_new=st.integers(1, 16),
           mode=st.sampled_from(["colocated", "answered", "answered", "pending"]), port=st.sampled_from(PEERS))
@@ -615,7 +625,7 @@ def test_scheduler_machine_long(loaded):
 # ---- the machine catches planted bugs ---------------------------------------------------------------------------
 
 
-def _admit_unanswered(self):
+def _admit_unanswered(self, computing):
     queue = self.queues.retracted or self.queues.prealloc
     return queue[0] if queue else None
 
@@ -661,6 +671,15 @@ def _queued_twice(self, req):
     self.prealloc.append(req)
 
 
+def _once_passed_over_never_admitted(self, req, computing):
+    if req.rid in PASSED_OVER:
+        return True
+    if WAITS_FOR_SHARER(self, req, computing):
+        PASSED_OVER.add(req.rid)
+        return True
+    return False
+
+
 def _never_in_flight(self):
     return False
 
@@ -690,9 +709,12 @@ def _dead_ends_go_on(self, seq):
 
 
 fail, add, grow = Scheduler._fail, Queues.add, Scheduler._grow
+WAITS_FOR_SHARER, PASSED_OVER = Admission._waits_for_sharer, set()
 PLANTED = {
     "admits a request whose peer has not answered": (Admission, "_first_answered", _admit_unanswered,
                                                       "waits for its peer"),
+    "a prompt passed over for a sharer never comes back": (Admission, "_waits_for_sharer",
+                                                           _once_passed_over_never_admitted, "requests never ended"),
     "a finished request keeps its pages": (Scheduler, "_finish", _finish_keeping_pages,
                                            "ended holding pages|allocated != .* in tree"),
     "an ended request keeps its page-table row": (Scheduler, "_close", _close_keeping_row,
