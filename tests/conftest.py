@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random-weight Hugging Face checkpoints and the embedded SmolLM2 model."""
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints, the embedded SmolLM2 model and the native CPU
+kernels."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -95,3 +97,15 @@ def hf_smollm2(smollm2_path):
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                                     dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def native_lib():
+    """The native CPU kernels: skips where no C compiler is on PATH, fails where one is and they did not build."""
+    from decode_worker.model.native import native_kernels
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on PATH: the native kernels cannot be built here")
+    built = native_kernels()
+    assert built is not None, "a C compiler is on PATH but the native kernels did not build (see the warning)"
+    return built

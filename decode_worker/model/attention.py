@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from decode_worker_kernels import cpu_attention
 from decode_worker_kernels.kv_write import slot_index, slot_rows, write_kv
 from decode_worker_kernels.paged_attention import paged_decode_attention
 
 from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
+from decode_worker.model.layers import AttentionProjections, RopeTables
 from decode_worker.model.native import native_kernels
+from decode_worker_kernels import cpu_attention, cpu_rope
 
 
 @dataclass
@@ -23,18 +24,19 @@ class StepPlan:
     context_rows: torch.Tensor | None = None
     pages: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # CPU decode: 0 where a slot is visible, -inf past each row's length
-    native: ctypes.CDLL | None = None  # CPU decode: the native kernels read the pages in place (no pages, no mask)
+    native: ctypes.CDLL | None = None  # CPU: the native kernels, where they built and take the pool's dtype
 
 
 def plan_step(pool: KVPool, fb: ForwardBatch, q_heads: int) -> StepPlan:
-    _, rows_per_page = slot_rows(pool.k_pages(0))
+    k_pages = pool.k_pages(0)
+    _, rows_per_page = slot_rows(k_pages)
     plan = StepPlan(slot_index(fb.out_slots, pool.page_size, rows_per_page))
+    if k_pages.device.type == "cpu" and k_pages.dtype in (torch.float32, torch.bfloat16):
+        plan.native = native_kernels()
     if not fb.is_decode:
         plan.context_rows = slot_index(fb.context_slots, pool.page_size, rows_per_page)
-    elif not fb.seq_lens.is_cuda:
-        plan.native = native_decode_attention(pool, q_heads)
-        if plan.native is None:
-            _plan_gather(plan, pool, fb)
+    elif not fb.seq_lens.is_cuda and (plan.native is None or not cpu_attention.supports(q_heads, *k_pages.shape[2:])):
+        _plan_gather(plan, pool, fb)
     return plan
 
 
@@ -48,14 +50,19 @@ def _plan_gather(plan: StepPlan, pool: KVPool, fb: ForwardBatch) -> None:
     plan.mask = torch.zeros(hidden.shape, dtype=pool.k_pages(0).dtype).masked_fill_(hidden, float("-inf"))
 
 
-def native_decode_attention(pool: KVPool, q_heads: int) -> ctypes.CDLL | None:
-    """The native kernels where they built and take this pool's dtype and head shape (CPU only), else None."""
-    k_pages = pool.k_pages(0)
-    if k_pages.device.type != "cpu" or k_pages.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not cpu_attention.supports(q_heads, k_pages.shape[2], k_pages.shape[3]):
-        return None
-    return native_kernels()
+def project_and_store(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, attn: AttentionProjections,
+                      x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """The layer's rotated queries ``[T, Hq, D]``; its new K (rotated) and V stored in the pool."""
+    if plan.native is not None:
+        qkv = attn.qkv_proj(x)
+        if cpu_rope.fits(qkv, pool.k_pages(layer), attn.num_heads):
+            return cpu_rope.rope_store_cpu(plan.native, qkv, rope.cos, rope.sin, attn.num_heads, pool.k_pages(layer),
+                                           pool.v_pages(layer), fb.out_slots)
+        q, k, v = attn.split_rotate(qkv, rope)
+    else:
+        q, k, v = attn.qkv(x, rope)
+    store_kv(pool, layer, fb, plan, k, v)
+    return q
 
 
 def store_kv(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -71,12 +78,12 @@ def attend(pool: KVPool, layer: int, fb: ForwardBatch, plan: StepPlan, q: torch.
     """Queries ``[T, Hq, D]`` attend over each request's KV in the pool."""
     if not fb.is_decode:
         return _extend_attention(pool, layer, fb, plan, q, scale)
+    if plan.pages is not None:
+        return _planned_decode_attention(pool, layer, plan, q, scale)
     if plan.native is not None:
         return cpu_attention.paged_decode_attention_cpu(plan.native, q, pool.k_pages(layer), pool.v_pages(layer),
                                                         fb.page_table, fb.seq_lens, scale)
-    if plan.pages is None:
-        return paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), fb.page_table, fb.seq_lens, scale)
-    return _planned_decode_attention(pool, layer, plan, q, scale)
+    return paged_decode_attention(q, pool.k_pages(layer), pool.v_pages(layer), fb.page_table, fb.seq_lens, scale)
 
 
 def _planned_decode_attention(pool: KVPool, layer: int, plan: StepPlan, q: torch.Tensor, scale: float) -> torch.Tensor:

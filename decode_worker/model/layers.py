@@ -127,7 +127,11 @@ class AttentionProjections(nn.Module):
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, q and k rotated."""
-        qk, v = self.qkv_proj(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
+        return self.split_rotate(self.qkv_proj(x), rope)
+
+    def split_rotate(self, qkv: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output split into heads, q and k rotated."""
+        qk, v = qkv.split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         qk = rope.rotate(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from decode_worker.cache.pool import KVPool
-from decode_worker.model.attention import attend, plan_step, store_kv
+from decode_worker.model.attention import attend, plan_step, project_and_store
 from decode_worker.model.config import ModelConfig
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
@@ -42,8 +42,7 @@ class LlamaModel(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h, delta), rope)
-            store_kv(pool, i, fb, plan, k, v)
+            q = project_and_store(pool, i, fb, plan, attn, layer.input_layernorm(h, delta), rope)
             o = attend(pool, i, fb, plan, q, self.scale)
             delta = layer.mlp(layer.post_attention_layernorm(h, attn.o_proj(o.reshape(o.shape[0], -1))))
         rows = fb.logits_indices

@@ -3,24 +3,10 @@ float32 rounding, for GQA groups, head sizes, page sizes and lengths (0, within 
 pool whose layer pages are strided apart as the real one; bf16 rounds only its output; bad page tables are refused."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from decode_worker_kernels.cpu_attention import paged_decode_attention_cpu
 from decode_worker_kernels.paged_attention import paged_decode_attention_reference
-
-from decode_worker.model.native import native_kernels
-
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler on PATH: the kernels cannot be built here")
-
-
-@pytest.fixture(scope="module")
-def lib():
-    built = native_kernels()
-    assert built is not None, "a C compiler is on PATH but the native kernels did not build (see the warning)"
-    return built
 
 
 def case(dtype: torch.dtype, *, batch: int, group: int, kv_heads: int, head_dim: int, page_size: int,
@@ -50,11 +36,11 @@ SHAPES = [  # group, kv_heads, head_dim, page_size, lengths
 
 
 @pytest.mark.parametrize("group,kv_heads,head_dim,page_size,lengths", SHAPES)
-def test_float32_is_attention_over_the_gathered_pages_up_to_float32_rounding(lib, group, kv_heads, head_dim,
+def test_float32_is_attention_over_the_gathered_pages_up_to_float32_rounding(native_lib, group, kv_heads, head_dim,
                                                                              page_size, lengths):
     inputs = case(torch.float32, batch=len(lengths), group=group, kv_heads=kv_heads, head_dim=head_dim,
                   page_size=page_size, lengths=lengths)
-    ours = paged_decode_attention_cpu(lib, **inputs)
+    ours = paged_decode_attention_cpu(native_lib, **inputs)
     reference = paged_decode_attention_reference(**inputs)
     truth = exact(inputs)
     assert ours.dtype == torch.float32 and ours.shape == inputs["q"].shape
@@ -64,17 +50,17 @@ def test_float32_is_attention_over_the_gathered_pages_up_to_float32_rounding(lib
 
 
 @pytest.mark.parametrize("group,kv_heads,head_dim,page_size,lengths", SHAPES[:2])
-def test_bf16_rounds_only_its_output(lib, group, kv_heads, head_dim, page_size, lengths):
+def test_bf16_rounds_only_its_output(native_lib, group, kv_heads, head_dim, page_size, lengths):
     """bf16 K/V and queries are widened exactly and the math runs in float32: the result is the exact attention of
     the bf16 values, rounded once to bf16."""
     inputs = case(torch.bfloat16, batch=len(lengths), group=group, kv_heads=kv_heads, head_dim=head_dim,
                   page_size=page_size, lengths=lengths, seed=1)
-    ours = paged_decode_attention_cpu(lib, **inputs)
+    ours = paged_decode_attention_cpu(native_lib, **inputs)
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.double(), exact(inputs), rtol=2 ** -8, atol=1e-5)
 
 
-def test_the_model_step_gives_the_gathered_sdpa_logits(tiny_models, monkeypatch):
+def test_the_model_step_gives_the_gathered_sdpa_logits(native_lib, tiny_models, monkeypatch):
     """A whole decode step through the runner: native attention and the gathered SDPA give the same logits."""
     from decode_worker.model import attention
     from decode_worker.model.loader import load_model
@@ -88,19 +74,19 @@ def test_the_model_step_gives_the_gathered_sdpa_logits(tiny_models, monkeypatch)
     torch.testing.assert_close(native, runner.forward(decode), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_tables_and_shapes_are_refused(lib):
+def test_bad_tables_and_shapes_are_refused(native_lib):
     inputs = case(torch.float32, batch=2, group=3, kv_heads=3, head_dim=64, page_size=16, lengths=[20, 5])
     bad_page = dict(inputs, page_table=inputs["page_table"].clone())
     bad_page["page_table"][1, 0] = inputs["k_pages"].shape[0]  # one past the pool
     with pytest.raises(ValueError, match="page index outside"):
-        paged_decode_attention_cpu(lib, **bad_page)
+        paged_decode_attention_cpu(native_lib, **bad_page)
     too_long = dict(inputs, seq_lens=torch.tensor([20, 16 * inputs["page_table"].shape[1] + 1]))
     with pytest.raises(ValueError, match="length outside the page table"):
-        paged_decode_attention_cpu(lib, **too_long)
+        paged_decode_attention_cpu(native_lib, **too_long)
     with pytest.raises(ValueError, match="does not take"):
-        paged_decode_attention_cpu(lib, **dict(inputs, q=inputs["q"][:, :8]))  # 8 query heads over 3 kv heads
+        paged_decode_attention_cpu(native_lib, **dict(inputs, q=inputs["q"][:, :8]))  # 8 query heads over 3 kv heads
     with pytest.raises(ValueError, match="float32 or bf16"):
-        paged_decode_attention_cpu(lib, **dict(inputs, q=inputs["q"].half()))
+        paged_decode_attention_cpu(native_lib, **dict(inputs, q=inputs["q"].half()))
     with pytest.raises(ValueError, match="each page contiguous"):
         padded = torch.randn(*inputs["k_pages"].shape[:3], 128)[..., :64]  # rows 128 apart within a page
-        paged_decode_attention_cpu(lib, **dict(inputs, k_pages=padded, v_pages=padded))
+        paged_decode_attention_cpu(native_lib, **dict(inputs, k_pages=padded, v_pages=padded))
