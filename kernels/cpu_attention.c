@@ -7,8 +7,6 @@
  * Layout (as decode_worker.cache.pool): a page is [page_size][kv_heads][head_dim], contiguous; pages are
  * page_stride elements apart. Query and output are [batch][q_heads][head_dim], contiguous.
  */
-#include <math.h>
-
 #include "cpu_native.h"
 
 #define MAX_GROUP 16  /* query heads per kv head */
@@ -21,27 +19,6 @@ static inline float hsum(v16f v) {
     float s = 0;
     for (int i = 0; i < LANES; i++) s += v[i];
     return s;
-#endif
-}
-
-/* e^x for x <= 0 (scores minus their maximum) within two ulp; below -104, 0. */
-static inline v16f exp_nonpositive(v16f x) {
-#if defined(__AVX512F__)
-    x = _mm512_max_ps((__m512)x, _mm512_set1_ps(-104.0f));
-    const v16f n = _mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const v16f r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  /* ln 2 in two parts */
-    v16f p = r * (1.0f / 5040) + (1.0f / 720);
-    p = p * r + (1.0f / 120);
-    p = p * r + (1.0f / 24);
-    p = p * r + (1.0f / 6);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return (v16f)_mm512_scalef_ps((__m512)p, (__m512)n);
-#else
-    for (int i = 0; i < LANES; i++) x[i] = expf(x[i]);
-    return x;
 #endif
 }
 
@@ -72,7 +49,7 @@ static void chunk_accumulate(const Shape *s, v16f *scores, const char *vp, int64
         for (int64_t j = 0; j < n; j++) top = scores[g][j] > top ? scores[g][j] : top;
         const float rescale = max[g] == -INFINITY ? 0.0f : expf(max[g] - top);
         max[g] = top;
-        scores[g] = exp_nonpositive(scores[g] - top);
+        scores[g] = exp16(scores[g] - top);
         for (int64_t j = n; j < LANES; j++) scores[g][j] = 0;
         denom[g] = denom[g] * rescale + hsum(scores[g]);
         for (int64_t c = 0; c < s->chunks; c++) acc[g][c] *= rescale;

@@ -2,6 +2,7 @@
 #ifndef CPU_NATIVE_H
 #define CPU_NATIVE_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -43,6 +44,27 @@ static inline void store16(void *p, v16f v, int bf16) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
 #else
     for (int i = 0; i < LANES; i++) ((uint16_t *)p)[i] = f32_to_bf16(v[i]);
+#endif
+}
+
+/* e^x within two ulp for x in [-104, 88] (clamped there: 0 below, float32's largest powers above). */
+static inline v16f exp16(v16f x) {
+#if defined(__AVX512F__)
+    x = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.0f));
+    const v16f n = _mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16f r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  /* ln 2 in two parts */
+    v16f p = r * (1.0f / 5040) + (1.0f / 720);
+    p = p * r + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (v16f)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+    for (int i = 0; i < LANES; i++) x[i] = expf(x[i] < -104.0f ? -104.0f : x[i] > 88.0f ? 88.0f : x[i]);
+    return x;
 #endif
 }
 

@@ -10,13 +10,13 @@ from torch import nn
 
 from decode_worker.model.config import ModelConfig
 from decode_worker.model.native import native_kernels
-from decode_worker_kernels import cpu_norm
+from decode_worker_kernels import cpu_activation, cpu_norm
 
 
 class RMSNorm(nn.Module):
     """RMS normalisation, computed in at least float32, out in the weight's dtype. Given a layer's output ``delta``,
     the input is the residual stream and takes ``delta`` in place first. On CPU the native kernel does both in one
-    pass (it takes the float32 stream the CPU model keeps); without it, ``F.rms_norm`` is faster for decode's few
+    pass (it takes the float64 stream the CPU model keeps); without it, ``F.rms_norm`` is faster for decode's few
     rows and far slower for a prefill's many (bf16 at 1,000 rows: ~5x); both give the same bits."""
 
     F_BELOW_ROWS = 128  # CPU rows below which ``F.rms_norm`` runs
@@ -99,7 +99,7 @@ class RopeTables:
 
 
 class MLP(nn.Module):
-    """SwiGLU, gate and up in one matmul."""
+    """SwiGLU, gate and up in one matmul; on CPU the activation is one native pass where the kernels built."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -107,7 +107,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_activation.fits(gate_up) and (lib := native_kernels()) is not None:
+            return self.down_proj(cpu_activation.silu_mul_cpu(lib, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

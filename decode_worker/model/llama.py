@@ -35,9 +35,9 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``. On CPU the residual stream
-        stays float32 whatever the layers' dtype (each layer's output is added to it inside the next norm)."""
+        is float64 whatever the layers' dtype (each layer's output is added to it inside the next norm)."""
         h = self.embed_tokens(fb.input_ids)
-        h = h.float() if h.device.type == "cpu" else h
+        h = h.double() if h.device.type == "cpu" else h
         rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb, self.config.num_heads)  # for every layer
         delta = None
         for i, layer in enumerate(self.layers):
