@@ -27,17 +27,53 @@ typedef struct {
     int kv_bf16;
 } Shape;
 
+/* The sums of 16 vectors as one vector (lane j: the sum of dots[j]), by a transposing tree of adds rather than 16
+ * horizontal sums. */
+static inline v16f sum_each(const v16f *dots) {
+#if defined(__AVX512F__)
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: (a, b, a, b) partial sums of dots[2i], dots[2i + 1] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps((__m512)dots[2 * i], (__m512)dots[2 * i + 1]),
+                                 _mm512_unpackhi_ps((__m512)dots[2 * i], (__m512)dots[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane's sums of dots[4i .. 4i + 3] (pairs moved as one) */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return (v16f)_mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
+#else
+    v16f sums;
+    for (int j = 0; j < LANES; j++) {
+        sums[j] = 0;
+        for (int i = 0; i < LANES; i++) sums[j] += dots[j][i];
+    }
+    return sums;
+#endif
+}
+
 /* Scores of up to 16 slots (from kp, slot_bytes apart) for each query of the group; lanes past n are -inf. */
 static void chunk_scores(const Shape *s, const v16f q[][MAX_CHUNKS], const char *kp, int64_t n, v16f *scores) {
-    for (int64_t g = 0; g < s->group; g++) scores[g] = (v16f){} - INFINITY;
-    for (int64_t j = 0; j < n; j++) {
+    v16f dots[MAX_GROUP][LANES];
+    for (int64_t j = 0; j < LANES; j++) {
+        if (j >= n) {
+            for (int64_t g = 0; g < s->group; g++) dots[g][j] = (v16f){};
+            continue;
+        }
         v16f k[MAX_CHUNKS];
         for (int64_t c = 0; c < s->chunks; c++) k[c] = load16(kp + j * s->slot_bytes + c * s->chunk_bytes, s->kv_bf16);
         for (int64_t g = 0; g < s->group; g++) {
             v16f dot = q[g][0] * k[0];
             for (int64_t c = 1; c < s->chunks; c++) dot += q[g][c] * k[c];
-            scores[g][j] = hsum(dot);
+            dots[g][j] = dot;
         }
+    }
+    for (int64_t g = 0; g < s->group; g++) {
+        scores[g] = sum_each(dots[g]);
+        for (int64_t j = n; j < LANES; j++) scores[g][j] = -INFINITY;
     }
 }
 
