@@ -1,6 +1,7 @@
 """The native CPU kernels (``cpu_lowbit.c``: low-bit weight matmuls; ``cpu_attention.c``: paged decode attention;
 ``cpu_norm.c``: RMS norm over a float64 residual stream; ``cpu_rope.c``: rotary embedding and KV store;
-``cpu_activation.c``: SwiGLU's activation), built into one library.
+``cpu_activation.c``: SwiGLU's activation; ``cpu_sampling.c``: greedy's pick and the log-sum-exp), built into one
+library.
 
 The C files are compiled on first use with the system's C compiler for this CPU (``-march=native``) into a cache
 directory keyed by the sources, the compiler and the CPU (a read-only cache, as in a pod, falls back to a private
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_lowbit.c", "cpu_attention.c", "cpu_norm.c", "cpu_rope.c",
-                                         "cpu_activation.c")]
+                                         "cpu_activation.c", "cpu_sampling.c")]
 HEADERS = [HERE / "cpu_native.h"]
 ABI = 2
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -112,4 +113,5 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.rope_store.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, flag]
     lib.rope_store.restype = ctypes.c_int
     lib.silu_mul.argtypes, lib.silu_mul.restype = [ptr, i64, i64, ptr, flag], None
+    lib.row_stats.argtypes, lib.row_stats.restype = [ptr, i64, i64, i64, ptr, ptr], None
     return lib

@@ -9,6 +9,8 @@ import torch
 
 from decode_worker.core.request import PromptLogprobs
 from decode_worker.core.sampling import SamplingParams
+from decode_worker.model.native import native_kernels
+from decode_worker_kernels import cpu_sampling
 
 NUCLEUS_CANDIDATES = 256  # CPU top-p sorts only this many best tokens per row when they already pass top_p
 SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a long prompt's scoring makes
@@ -42,27 +44,44 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
     """One token per row of ``logits`` [B, vocab]."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    stats = _row_stats(logits)  # (log-sum-exp, argmax) per row on the native path, else the whole log-softmax
     shaped = _shape(logits.clone(), params, shaping) if shaping and any(s is not None for s in shaping) else logits
     if mask is not None:
         shaped = shaped.clone() if shaped is logits else shaped
         mask.apply(shaped)
     chosen = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
+    if greedy and stats is not None and shaped is logits:
+        chosen[greedy] = _rows(stats[1], greedy)
+    elif greedy:
         chosen[greedy] = _rows(shaped, greedy).argmax(dim=-1)
     if rows := [i for i, p in enumerate(params) if not p.greedy]:
         chosen[rows] = _sample_rows(_rows(shaped, rows), [params[i] for i in rows], [generators[i] for i in rows])
-    parts = [chosen, logprobs.gather(1, chosen[:, None])[:, 0]]
     k = max((p.top_logprobs for p in params), default=0)
-    if k:
-        best = logprobs.topk(k, dim=-1)
-        parts += [best.indices.flatten(), best.values.flatten()]
+    if stats is None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        parts = [chosen, logprobs.gather(1, chosen[:, None])[:, 0]]
+        if k:
+            best = logprobs.topk(k, dim=-1)
+            parts += [best.indices.flatten(), best.values.flatten()]
+    else:
+        lse = stats[0]
+        parts = [chosen, logits.gather(1, chosen[:, None])[:, 0].double() - lse]
+        if k:
+            best = logits.topk(k, dim=-1)
+            parts += [best.indices.flatten(), (best.values.double() - lse[:, None]).flatten()]
     # One read-back for everything, so one wait for the device: ids are exact in float64, logprobs only widen.
     values, batch = torch.cat([t.double() for t in parts]).tolist(), len(params)
     ids, top = values[2 * batch: (2 + k) * batch], values[(2 + k) * batch:]
     tops = [[(int(ids[b * k + j]), top[b * k + j]) for j in range(p.top_logprobs)] for b, p in enumerate(params)]
     return SampleResult([int(t) for t in values[:batch]], values[batch: 2 * batch], tops)
+
+
+def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's log-sum-exp (float64) and argmax from the native CPU kernel; None on GPU or without it."""
+    if logits.device.type != "cpu" or logits.stride(-1) != 1 or (lib := native_kernels()) is None:
+        return None
+    return cpu_sampling.row_stats_cpu(lib, logits)
 
 
 def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
