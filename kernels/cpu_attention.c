@@ -7,9 +7,11 @@
  * Layout (as decode_worker.cache.pool): a page is [page_size][kv_heads][head_dim], contiguous; pages are
  * page_stride elements apart. Query and output are [batch][q_heads][head_dim], contiguous.
  */
+#include <omp.h>
+
 #include "cpu_native.h"
 
-#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_GROUP 16  /* query rows a task holds: a kv head's group, or several whole groups */
 #define MAX_CHUNKS 16  /* head_dim up to 256 */
 
 static inline float hsum(v16f v) {
@@ -98,9 +100,15 @@ static void chunk_accumulate(const Shape *s, v16f *scores, const char *vp, int64
     }
 }
 
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* flags: 1 query bf16, 2 K/V bf16, 4 output bf16. Returns 0; -1 when a page index is outside [0, num_pages) or a
  * length outside [0, table_cols * page_size] (that request's output is left unwritten); -2 for shapes it does not
- * take (head_dim not a multiple of 16 or over 256, a group over 16). A request of length 0 gets zeros. */
+ * take (head_dim not a multiple of 16 or over 256, a group over 16). A request of length 0 gets zeros.
+ * A task is one request and as many of its kv heads as 16 query rows allow where the batch alone keeps every thread
+ * busy (it then streams each page's slots whole, all heads together), else one kv head. */
 int paged_decode_attention(const void *q, const void *k, const void *v, int64_t k_page_stride, int64_t v_page_stride,
                            int64_t num_pages, int64_t page_size, const int64_t *table, int64_t table_stride,
                            int64_t table_cols, const int64_t *seq_lens, int64_t batch, int64_t q_heads,
@@ -111,21 +119,26 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int64_t 
         return -2;
     const int64_t kv_elem = kv_bf16 ? 2 : 4, q_elem = q_bf16 ? 2 : 4, out_elem = out_bf16 ? 2 : 4;
     const Shape s = {q_heads / kv_heads, head_dim / LANES, kv_heads * head_dim * kv_elem, LANES * kv_elem, kv_bf16};
+    int64_t heads_per_task = 1;
+    if (batch >= 2 * omp_get_max_threads())
+        for (int64_t n = MAX_GROUP / s.group; n >= 1; n--)
+            if (kv_heads % n == 0) { heads_per_task = n; break; }
     int status = 0;
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, h = task % kv_heads, len = seq_lens[b];
+    for (int64_t task = 0; task < batch * kv_heads / heads_per_task; task++) {
+        const int64_t b = task * heads_per_task / kv_heads, h0 = task * heads_per_task % kv_heads, len = seq_lens[b];
+        const int64_t rows = heads_per_task * s.group;  /* query rows of this task: heads h0.. of the request */
         if (len < 0 || len > table_cols * page_size) { status = -1; continue; }
         v16f qs[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], scores[MAX_GROUP];
         float max[MAX_GROUP], denom[MAX_GROUP];
-        for (int64_t g = 0; g < s.group; g++) {
-            const char *row = (const char *)q + (b * q_heads + h * s.group + g) * head_dim * q_elem;
+        for (int64_t r = 0; r < rows; r++) {
+            const char *row = (const char *)q + (b * q_heads + h0 * s.group + r) * head_dim * q_elem;
             for (int64_t c = 0; c < s.chunks; c++) {
-                qs[g][c] = load16(row + c * LANES * q_elem, q_bf16) * scale;
-                acc[g][c] = (v16f){};
+                qs[r][c] = load16(row + c * LANES * q_elem, q_bf16) * scale;
+                acc[r][c] = (v16f){};
             }
-            max[g] = -INFINITY;
-            denom[g] = 0;
+            max[r] = -INFINITY;
+            denom[r] = 0;
         }
         int bad_page = 0;
         int64_t n;
@@ -134,16 +147,27 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int64_t 
             if (page < 0 || page >= num_pages) { bad_page = 1; break; }
             n = page_size - offset < LANES ? page_size - offset : LANES;
             n = len - t < n ? len - t : n;
-            const int64_t slot = offset * kv_heads + h;
-            chunk_scores(&s, qs, (const char *)k + (page * k_page_stride + slot * head_dim) * kv_elem, n, scores);
-            chunk_accumulate(&s, scores, (const char *)v + (page * v_page_stride + slot * head_dim) * kv_elem, n, max,
-                             denom, acc);
+            const int64_t next = t / page_size + 1;
+            if (offset == 0 && next * page_size < len) {  /* the next page is a random jump: start loading it now */
+                const int64_t ahead = table[b * table_stride + next];
+                if (ahead >= 0 && ahead < num_pages) {
+                    prefetch((const char *)k + ahead * k_page_stride * kv_elem, page_size * s.slot_bytes);
+                    prefetch((const char *)v + ahead * v_page_stride * kv_elem, page_size * s.slot_bytes);
+                }
+            }
+            for (int64_t h = 0; h < heads_per_task; h++) {
+                const int64_t slot = offset * kv_heads + h0 + h, g = h * s.group;
+                chunk_scores(&s, qs + g, (const char *)k + (page * k_page_stride + slot * head_dim) * kv_elem, n,
+                             scores + g);
+                chunk_accumulate(&s, scores + g, (const char *)v + (page * v_page_stride + slot * head_dim) * kv_elem,
+                                 n, max + g, denom + g, acc + g);
+            }
         }
         if (bad_page) { status = -1; continue; }
-        for (int64_t g = 0; g < s.group; g++) {
-            const float inv = denom[g] > 0 ? 1.0f / denom[g] : 0.0f;
-            char *row = (char *)out + (b * q_heads + h * s.group + g) * head_dim * out_elem;
-            for (int64_t c = 0; c < s.chunks; c++) store16(row + c * LANES * out_elem, acc[g][c] * inv, out_bf16);
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = denom[r] > 0 ? 1.0f / denom[r] : 0.0f;
+            char *row = (char *)out + (b * q_heads + h0 * s.group + r) * head_dim * out_elem;
+            for (int64_t c = 0; c < s.chunks; c++) store16(row + c * LANES * out_elem, acc[r][c] * inv, out_bf16);
         }
     }
     return status;

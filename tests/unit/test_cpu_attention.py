@@ -27,8 +27,9 @@ def exact(inputs: dict) -> torch.Tensor:
     return paged_decode_attention_reference(**wide)
 
 
-SHAPES = [  # group, kv_heads, head_dim, page_size, lengths
+SHAPES = [  # group, kv_heads, head_dim, page_size, lengths (4 requests or more: a task takes several kv heads)
     (3, 3, 64, 16, [1, 16, 17, 40]),  # SmolLM2's heads; a page exactly full, one token over
+    (2, 4, 64, 16, [5, 33, 70, 2, 16, 1, 48, 9]),  # 8 requests: 4 kv heads (8 query rows) a task
     (1, 4, 16, 5, [0, 3, 11, 25]),  # plain MHA; pages that cut the 16-slot chunks; a request of length 0
     (8, 1, 128, 64, [300, 1]),  # a wide GQA group, long context over big pages
     (4, 2, 32, 1, [7, 2]),  # one slot per page
