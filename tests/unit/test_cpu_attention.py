@@ -75,6 +75,24 @@ def test_the_model_step_gives_the_gathered_sdpa_logits(native_lib, tiny_models, 
     torch.testing.assert_close(native, runner.forward(decode), rtol=1e-5, atol=1e-5)
 
 
+def test_a_short_extend_over_a_cached_prefix_gives_the_sdpa_logits(native_lib, tiny_models, monkeypatch):
+    """Extends of requests up to ``NATIVE_EXTEND_MAX_TOKENS`` long run the native kernel, one query per new token over
+    its request's slots up to itself: every position's logits equal the per-request SDPA's (prefix cached or not)."""
+    from decode_worker.model import attention
+    from decode_worker.model.loader import load_model
+    from decode_worker.model.runner import ModelRunner
+
+    runner = ModelRunner(load_model(tiny_models["llama"], tokenizer=False), max_total_tokens=256, page_size=4)
+    pages = [[1, 2, 3, 4], [5, 6, 7]]
+    runner.forward(runner.build_batch([list(range(1, 9)), list(range(20, 24))], [0, 0], pages))  # cached prefixes
+    extend = runner.build_batch([[9, 10, 11, 12, 13], [24, 25, 26]], [8, 4], pages, all_logits=True)
+    plan = attention.plan_step(runner.pool, extend, runner.config.num_heads)
+    assert plan.token_table is not None and plan.context_rows is None
+    native = runner.forward(extend)
+    monkeypatch.setattr(attention, "NATIVE_EXTEND_MAX_TOKENS", 0)
+    torch.testing.assert_close(native, runner.forward(extend), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_tables_and_shapes_are_refused(native_lib):
     inputs = case(torch.float32, batch=2, group=3, kv_heads=3, head_dim=64, page_size=16, lengths=[20, 5])
     bad_page = dict(inputs, page_table=inputs["page_table"].clone())
