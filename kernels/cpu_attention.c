@@ -1,6 +1,7 @@
 /* Paged decode attention for CPU: one new query per request reads its K/V straight from the pool's pages through
- * its page-table row, with no gathered copy and no mask. One task per (request, kv head) handles the GQA group's
- * query heads together, so each K/V row is loaded once for the group. Scores, softmax and the weighted sum run in
+ * its page-table row, with no gathered copy and no mask (a short extend passes each new token as a request of its own
+ * length). A task takes a request's kv head, or several (see paged_decode_attention), with each head's GQA group of
+ * queries together, so each K/V row is loaded once for the group. Scores, softmax and the weighted sum run in
  * float32 with an online softmax over chunks of up to 16 slots (one vector of scores); K/V and queries are
  * float32 or bf16, the output float32 or bf16.
  *
