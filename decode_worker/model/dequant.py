@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-_Q4_1_BYTES = 20  # per 32-value block: fp16 d, fp16 m, 16 bytes of nibbles (low nibbles first)
-_Q8_0_BYTES = 34  # per 32-value block: fp16 d, 32 int8 values
+Q4_1_BYTES = 20  # per 32-value block: fp16 d, fp16 m, 16 bytes of nibbles (low nibbles first)
+Q8_0_BYTES = 34  # per 32-value block: fp16 d, 32 int8 values
 
 
 def dequantize(data: np.ndarray, kind: Any) -> np.ndarray:
@@ -28,26 +28,26 @@ def dequantize(data: np.ndarray, kind: Any) -> np.ndarray:
     return np.array(package_dequantize(data, kind), dtype=np.float32)
 
 
-def _half(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The fp16 at byte ``start`` of every block, as a float32 column."""
-    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+def block_half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte ``start`` of every block (blocks on the last axis), as float32, one per block."""
+    return blocks[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _q4_1(data: np.ndarray) -> np.ndarray:
     """``d * q + m`` per block (rounded after the product, as the package does)."""
-    blocks = data.reshape(-1, _Q4_1_BYTES)
+    blocks = data.reshape(-1, Q4_1_BYTES)
     nibbles = blocks[:, 4:]
     out = np.empty((blocks.shape[0], 32), dtype=np.float32)
     np.bitwise_and(nibbles, 0x0F, out=out[:, :16], casting="unsafe")
     np.right_shift(nibbles, 4, out=out[:, 16:], casting="unsafe")
-    out *= _half(blocks, 0)
-    out += _half(blocks, 2)
+    out *= block_half(blocks, 0)[:, None]
+    out += block_half(blocks, 2)[:, None]
     return out.reshape(*data.shape[:-1], -1)
 
 
 def _q8_0(data: np.ndarray) -> np.ndarray:
     """``q * d`` per block."""
-    blocks = data.reshape(-1, _Q8_0_BYTES)
+    blocks = data.reshape(-1, Q8_0_BYTES)
     out = blocks[:, 2:].view(np.int8).astype(np.float32)
-    out *= _half(blocks, 0)
+    out *= block_half(blocks, 0)[:, None]
     return out.reshape(*data.shape[:-1], -1)

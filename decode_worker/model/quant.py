@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from decode_worker.model.dequant import Q4_1_BYTES, Q8_0_BYTES, block_half
 from decode_worker.model.matmul import Matmul, wide_linear
 from decode_worker.model.native import native_kernels
 
@@ -33,9 +34,8 @@ class Q4Blocks:
     @classmethod
     def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q4Blocks":
         """Parse GGUF Q4_1 bytes (per block: fp16 d, fp16 m, 16 bytes of nibbles)."""
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 20)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, Q4_1_BYTES)
+        d, m = block_half(blocks, 0), block_half(blocks, 2)
         nibbles = blocks[..., 4:]
         codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
         return cls(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
@@ -69,8 +69,8 @@ class Q8Blocks:
     @classmethod
     def from_gguf(cls, raw: np.ndarray, rows: int, cols: int) -> "Q8Blocks":
         """Parse GGUF Q8_0 bytes (per block: fp16 d, 32 int8 values)."""
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, 34)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_GROUP, Q8_0_BYTES)
+        d = block_half(blocks, 0)
         codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
         return cls(torch.from_numpy(codes), torch.from_numpy(d))
 
