@@ -33,6 +33,7 @@ SHAPES = [  # group, kv_heads, head_dim, page_size, lengths (4 requests or more:
     (1, 4, 16, 5, [0, 3, 11, 25]),  # plain MHA; pages that cut the 16-slot chunks; a request of length 0
     (8, 1, 128, 64, [300, 1]),  # a wide GQA group, long context over big pages
     (4, 2, 32, 1, [7, 2]),  # one slot per page
+    (4, 2, 128, 16, [130, 64, 15, 3]),  # Llama-3-8B's heads (compiled with its sizes as constants)
 ]
 
 
@@ -50,10 +51,10 @@ def test_float32_is_attention_over_the_gathered_pages_up_to_float32_rounding(nat
         assert torch.equal(ours[lengths.index(0)], torch.zeros_like(ours[0]))  # zeros, not NaN
 
 
-@pytest.mark.parametrize("group,kv_heads,head_dim,page_size,lengths", SHAPES[:2])
+@pytest.mark.parametrize("group,kv_heads,head_dim,page_size,lengths", SHAPES)
 def test_bf16_rounds_only_its_output(native_lib, group, kv_heads, head_dim, page_size, lengths):
-    """bf16 K/V and queries are widened exactly and the math runs in float32: the result is the exact attention of
-    the bf16 values, rounded once to bf16."""
+    """bf16 K/V and queries are widened exactly (or multiplied exactly by the bf16 dot-product instruction) and the
+    math runs in float32: the result is the exact attention of the bf16 values, rounded once to bf16."""
     inputs = case(torch.bfloat16, batch=len(lengths), group=group, kv_heads=kv_heads, head_dim=head_dim,
                   page_size=page_size, lengths=lengths, seed=1)
     ours = paged_decode_attention_cpu(native_lib, **inputs)
