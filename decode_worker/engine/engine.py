@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ from decode_worker.core.request import GenerateInput, RequestError, RequestStrea
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.tasks import SharedRun
 from decode_worker.core.threads import started_pool
+from decode_worker.engine.startup_gc import freeze_startup_objects
 from decode_worker.engine.summary import startup_summary
 from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
@@ -115,11 +115,7 @@ class Engine:
         self.metrics.watch(lambda: cache_families(self.cache.stats()), self.scheduler.queue_stats)
         self.metrics.model_name = self.model_name
         self.scheduler.start()
-        # Start-up leaves hundreds of thousands of long-lived objects (torch, the tokenizer, the app); a full
-        # collection walks them all holding the interpreter lock, past the event loop's stall limit
-        # (docs/reliability.md). Frozen, they are out of every collection's reach: a full one walks only newer ones.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()
         self.ready, self.not_ready_reason = True, ""
 
     async def _expire_leases(self) -> None:

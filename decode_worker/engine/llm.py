@@ -11,6 +11,7 @@ from decode_worker.cache.prefix_cache import NoPrefixReuse
 from decode_worker.core.request import GenerateInput, RequestStream
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import check_fits, trim_stop_string
+from decode_worker.engine.startup_gc import freeze_startup_objects
 from decode_worker.metrics import Metrics
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
@@ -59,6 +60,7 @@ class LLM:
         )
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size) if self.tokenizer else None
+        freeze_startup_objects()
 
     @property
     def config(self):

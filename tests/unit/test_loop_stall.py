@@ -89,3 +89,18 @@ def test_start_up_objects_are_out_of_the_collectors_reach(tmp_path):
             gc.get_freeze_count(), len(gc.get_objects(generation=2)))
     finally:
         gc.unfreeze()
+
+
+def test_the_offline_engine_freezes_its_start_up_objects_too(tiny_models):
+    """``LLM`` runs the same scheduler steps with no event loop: a full collection there stalls a step instead."""
+    import gc
+
+    from decode_worker.engine.llm import LLM
+
+    gc.unfreeze()
+    try:
+        LLM(str(tiny_models["llama"]), max_total_tokens=256, page_size=4, load_tokenizer=False)
+        assert gc.get_freeze_count() > 10 * len(gc.get_objects(generation=2)), (
+            gc.get_freeze_count(), len(gc.get_objects(generation=2)))
+    finally:
+        gc.unfreeze()
