@@ -144,11 +144,15 @@ class Int4Linear(nn.Module):
         self.wide: Matmul | None = None if wide_from_rows is None else wide_linear(blocks.dequantize(), dtype, exact)
         # the forms shape the numbers (and so the KV): the weights digest includes them
         self.form = f"{type(self.narrow).__name__}/{type(self.wide).__name__}@{wide_from_rows}"
+        # Both forms as plain callables: a step runs 120 of these matmuls, and reaching a submodule through
+        # nn.Module's attribute lookup and call dispatch costs ~2 us each time.
+        self.narrow_call = self.narrow.forward
+        self.wide_call = getattr(self.wide, "forward", self.wide)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.wide is not None and flat.shape[0] >= self.wide_from_rows:
-            out = self.wide(flat)
+        if self.wide_call is not None and flat.shape[0] >= self.wide_from_rows:
+            out = self.wide_call(flat)
         else:
-            out = self.narrow(flat)
+            out = self.narrow_call(flat)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
