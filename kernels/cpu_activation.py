@@ -5,11 +5,12 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from decode_worker_kernels.cpu_native import DTYPES
 
 
 def fits(gate_up: torch.Tensor) -> bool:
     """A contiguous float32 or bf16 CPU tensor whose halves are a multiple of 16 wide."""
-    return (gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16)
+    return (gate_up.device.type == "cpu" and gate_up.dtype in DTYPES
             and gate_up.is_contiguous() and gate_up.shape[-1] % 32 == 0)
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from decode_worker_kernels.cpu_native import DTYPES
 
 
 def supports(q_heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -23,7 +22,7 @@ def paged_decode_attention_cpu(lib: ctypes.CDLL, q: torch.Tensor, k_pages: torch
     ``q``'s dtype. ValueError for what the kernel does not take or a page index or length out of range."""
     batch, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    if q.dtype not in _DTYPES or k_pages.dtype not in _DTYPES or v_pages.dtype != k_pages.dtype:
+    if q.dtype not in DTYPES or k_pages.dtype not in DTYPES or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"CPU paged attention takes float32 or bf16, got q {q.dtype}, K/V {k_pages.dtype}/{v_pages.dtype}")
     if not supports(q_heads, kv_heads, head_dim) or v_pages.shape != k_pages.shape or k_pages.shape[3] != head_dim:
         raise ValueError(f"CPU paged attention does not take q {tuple(q.shape)} over K/V {tuple(k_pages.shape)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from decode_worker_kernels.cpu_native import DTYPES
 
 LANES = 16  # outputs per weight tile
 BLOCK = 32  # values per Q4_1 / Q8_0 block
@@ -58,7 +59,7 @@ class LowBitMatmul:
         return cls(lib, "q8_0", _tiles(codes.to(torch.int8)), _tiles(scale.float()), (n, k), out_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != self.in_features:
+        if x.dtype not in DTYPES or x.shape[-1] != self.in_features:
             raise ValueError(f"low-bit matmul takes float32 or bf16 [..., {self.in_features}], got {x.dtype} "
                              f"{tuple(x.shape)}")
         flat = x.reshape(-1, self.in_features)

@@ -19,9 +19,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
+DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes (a flag bit per tensor says which)
 SOURCES = [HERE / name for name in ("cpu_lowbit.c", "cpu_attention.c", "cpu_norm.c", "cpu_rope.c",
                                          "cpu_activation.c", "cpu_sampling.c")]
 HEADERS = [HERE / "cpu_native.h"]

@@ -5,17 +5,16 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from decode_worker_kernels.cpu_native import DTYPES
 
 
 def fits(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: a contiguous float64 CPU stream of rows a multiple of 16 wide, and a
     float32 or bf16 weight and (contiguous, same shape) delta."""
     ok = (h.device.type == "cpu" and h.dtype == torch.float64 and h.is_contiguous() and h.shape[-1] % 16 == 0
-          and weight.dtype in _DTYPES and weight.is_contiguous() and weight.shape == h.shape[-1:])
+          and weight.dtype in DTYPES and weight.is_contiguous() and weight.shape == h.shape[-1:])
     if delta is not None:
-        ok = ok and delta.dtype in _DTYPES and delta.shape == h.shape and delta.is_contiguous()
+        ok = ok and delta.dtype in DTYPES and delta.shape == h.shape and delta.is_contiguous()
     return ok
 
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from decode_worker_kernels.cpu_native import DTYPES
 
 
 def fits(qkv: torch.Tensor, k_pages: torch.Tensor, q_heads: int) -> bool:
     """Whether the kernel takes this projection and pool: float32 or bf16 on the CPU, contiguous rows, head_dim a
     multiple of 32, dense token rows within a page."""
     _, _, kv_heads, head_dim = k_pages.shape
-    return (qkv.device.type == "cpu" and k_pages.device.type == "cpu" and qkv.dtype in _DTYPES
-            and k_pages.dtype in _DTYPES and qkv.dim() == 2 and qkv.is_contiguous()
+    return (qkv.device.type == "cpu" and k_pages.device.type == "cpu" and qkv.dtype in DTYPES
+            and k_pages.dtype in DTYPES and qkv.dim() == 2 and qkv.is_contiguous()
             and qkv.shape[1] == (q_heads + 2 * kv_heads) * head_dim and head_dim % 32 == 0
             and k_pages.stride()[1:] == (kv_heads * head_dim, head_dim, 1))
 

@@ -13,8 +13,7 @@ from decode_worker.cache.pool import KVPool
 from decode_worker.model.forward_batch import ForwardBatch
 from decode_worker.model.layers import AttentionProjections, RopeTables
 from decode_worker.model.native import native_kernels
-from decode_worker_kernels import cpu_attention, cpu_rope
-
+from decode_worker_kernels import cpu_attention, cpu_native, cpu_rope
 
 NATIVE_EXTEND_MAX_TOKENS = 256
 """CPU extends whose requests are all this short run the native decode kernel with one query per new token (each over
@@ -39,7 +38,7 @@ def plan_step(pool: KVPool, fb: ForwardBatch, q_heads: int) -> StepPlan:
     k_pages = pool.k_pages(0)
     _, rows_per_page = slot_rows(k_pages)
     plan = StepPlan(slot_index(fb.out_slots, pool.page_size, rows_per_page))
-    if k_pages.device.type == "cpu" and k_pages.dtype in (torch.float32, torch.bfloat16):
+    if k_pages.device.type == "cpu" and k_pages.dtype in cpu_native.DTYPES:
         plan.native = native_kernels()
     native_attention = plan.native is not None and cpu_attention.supports(q_heads, *k_pages.shape[2:])
     if not fb.is_decode and native_attention and max(fb.host_seq_lens) <= NATIVE_EXTEND_MAX_TOKENS:

@@ -1,5 +1,6 @@
-"""The native CPU kernels (``decode_worker_kernels.cpu_native``: low-bit matmuls, paged decode attention), built once
-per machine into the cache directory; None where no C compiler builds them (logged), and then torch's forms serve."""
+"""The native CPU kernels (``decode_worker_kernels.cpu_native``: low-bit matmuls, attention, norm, rotary, activation
+and sampling), built once per machine into the cache directory; None where no C compiler builds them (logged), and
+then torch's forms serve."""
 from __future__ import annotations
 
 import ctypes
