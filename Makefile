@@ -5,19 +5,49 @@ PY := $(VENV)/bin/python
 # (tests/conftest.py's scheduler).
 PYTEST_ARGS ?= -m "not slow" -n 2
 
-.PHONY: setup system-deps run generate test test-all mutation bench clean
+.PHONY: setup system-deps run generate test test-all test-latest lock mutation bench clean
 
 setup: $(VENV)/.installed
 
-# torch goes first: the CPU build is installed from its pinned version before anything that depends on it.
-$(VENV)/.installed: pyproject.toml setup.py
+# The venv holds exactly the lock (locks/main.txt: every dependency with its hashes, test and bench extras
+# included) plus torch at its pin and the project itself; a changed lock makes it anew. Nothing resolves here:
+# each install takes no dependencies of its own, and `pip check` proves the set complete. torch goes first, from
+# its CPU build (`pip install torch==2.13.0` takes the file this machine has; see the README for others).
+$(VENV)/.installed: pyproject.toml locks/main.txt
+	rm -rf $(VENV)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1  # its deps would bring another torch; numpy comes next
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet --no-deps torch==2.13.0
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r locks/main.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	$(PY) -m decode_worker.cli fetch-model
 	touch $@
+
+# Regenerates the locks from pyproject.toml's ranges with uv (pinned below; it resolves in seconds and writes
+# hashes): main.txt for `make setup`, runtime.txt (no extras) for the images, eval.txt for `make test-all`, the
+# last two held to main.txt's versions. It keeps the locked versions that the ranges still allow; `make lock
+# UPGRADE=1` moves every package to its newest release. locks/overrides.txt keeps torch at its pin and its CUDA
+# runtime out.
+UV_VERSION := 0.13.9
+UV := .tools/bin/uv
+LOCK := $(UV) pip compile --quiet --custom-compile-command "make lock" --universal --python-version 3.11 --generate-hashes --no-emit-package torch \
+	--override locks/overrides.txt pyproject.toml locks/build.in
+
+$(UV):
+	python3 -m venv .tools
+	.tools/bin/pip install --quiet uv==$(UV_VERSION)
+
+lock: $(UV)
+	$(LOCK) $(if $(UPGRADE),--upgrade) --extra test --extra bench -o locks/main.txt
+	$(LOCK) -c locks/main.txt -o locks/runtime.txt
+	$(LOCK) -c locks/main.txt --extra test --extra bench --extra eval -o locks/eval.txt
+	@! grep -E '^(nvidia|cuda)-' locks/*.txt | grep -v "sys_platform == 'never'" \
+		|| { echo "a CUDA package entered the lock: add it to locks/overrides.txt"; exit 1; }
+
+# The newest releases pyproject.toml's ranges allow, in a throwaway venv: the unit suite and one end-to-end test,
+# then the packages that differ from the lock. Not part of `make test`; see the README on moving the lock forward.
+test-latest: system-deps
+	.ci/test-latest
 
 # A local PD deployment (sglang-router + prefill + decode) on loopback; it prints the curl to try.
 run: setup
@@ -39,7 +69,7 @@ test: setup system-deps
 
 # Everything, slow suites included; the lm-eval test needs the eval extra, installed here only.
 test-all: setup
-	$(PY) -m pip install --quiet -e '.[eval]'
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r locks/eval.txt
 	$(MAKE) test PYTEST_ARGS="-n 2"
 
 # Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.
@@ -50,4 +80,4 @@ bench: setup
 	$(PY) benchmarks/bench_decode.py --out benchmarks/results/bench_decode.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis mutants
+	rm -rf $(VENV) .tools .pytest_cache .hypothesis mutants

@@ -4,7 +4,7 @@ vocabulary matrix, float32 in and out, per number of rows.
 Variants: ``dense`` (float32 GEMM, what transformers runs), ``packed`` (float32, the weight reordered once for
 oneDNN), ``int4`` (torch's int4 kernel, activations in bf16: its only vectorized x86 path), ``fp16`` (fbgemm's
 fp16-packed GEMM), ``int8`` (torch's int8 weight-only kernel, bf16 activations), ``bf16`` and ``bf16_packed`` (a bf16
-weight, plain or reordered once; activations cast to bf16), ``native`` and ``native_bf16`` (``kernels/cpu_lowbit.c``
+weight, plain or reordered once; activations cast to bf16), ``native`` and ``native_bf16`` (``kernels/decode_worker_kernels/cpu_lowbit.c``
 as the model uses it: Q4_1 layers and a Q8_0 vocabulary matrix, float32 math; activations float32 or bf16). Prints
 one JSON line: median ms per pass and the ratio to
 dense in the same run.

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from decode_worker.model.embedded import cache_dir
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,6 @@ REFERENCE = Scale(prefix_len=16384, suffix_len=4608, output_len=350, concurrency
 
 
 LINK_MODES = ("off", "radix", "hier")  # what the TTFT savings compare
-DEFAULT_OUT = Path.home() / ".cache" / "decode-worker" / "bench"
 
 
 def _links(text: str) -> list:
@@ -134,7 +134,7 @@ def _other_args(p: argparse.ArgumentParser) -> None:
                    help="round_robin and cache_aware: sglang-router's decode policies over pod-local caches; "
                         "round_robin_l3 and cache_aware_l3: the same over pods that share one Redis as L3")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=str(DEFAULT_OUT), help="folder for NAME.json, NAME.md and NAME.png")
+    o.add_argument("--out", default=str(cache_dir() / "bench"), help="folder for NAME.json, NAME.md and NAME.png")
     o.add_argument("--name", help="file name of the outputs (default bench, with --scale-out scale_out)")
 
 

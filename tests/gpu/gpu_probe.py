@@ -22,8 +22,8 @@ it measured. The sections (in ``tests/gpu/probe/``, in this order, the whole run
 - ``nixl_vram``: a VRAM-to-VRAM NIXL read between two processes (skipped, saying why, without NIXL).
 - ``gpu_tests``: ``pytest tests/gpu`` (they import only torch, triton and numpy).
 
-It needs only torch, triton and numpy: it puts this checkout first on its sections' ``PYTHONPATH``, where the
-``decode_worker_kernels`` shim finds ``kernels/``. ``--tiny`` runs every section on CPU with tiny shapes and
+It needs only torch, triton and numpy: it puts this checkout and its kernels' source root (``kernels/``) first
+on its sections' ``PYTHONPATH``. ``--tiny`` runs every section on CPU with tiny shapes and
 Triton's interpreter (the CPU test of the sections). Without a CUDA device (and without ``--tiny``) every section
 after ``env`` is skipped, saying so.
 """
@@ -89,7 +89,8 @@ def run_here(section: Section, tiny: bool) -> dict:
 
 def child_env(section: Section, tiny: bool) -> dict[str, str]:
     env = {**os.environ, **section.env, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    paths = (str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     if tiny:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     return env

@@ -67,7 +67,7 @@ def bare_run(tmp_path_factory) -> dict[str, dict]:
 def test_bare_machine_env_names_what_is_missing(bare_run):
     env = bare_run["env"]
     assert env["status"] == "ok" and env["gpu"] is False
-    assert env["kernels_from"] == str(ROOT / "kernels") and env["decode_worker_from"] == str(ROOT / "decode_worker")
+    assert env["kernels_from"] == str(ROOT / "kernels" / "decode_worker_kernels") and env["decode_worker_from"] == str(ROOT / "decode_worker")
     for name in ("pydantic", "fastapi", "gguf", "nixl_cu12", "transformers"):
         assert env["packages"][name].startswith("no: ModuleNotFoundError"), name
 

@@ -1,4 +1,4 @@
-"""Split-KV decode attention (``kernels/paged_attention_split.py``) against the torch reference.
+"""Split-KV decode attention (``decode_worker_kernels/paged_attention_split.py``) against the torch reference.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 in one subprocess (the variable must be set before triton is
 imported) on small shapes cut into many short splits; run as a module (``python -m tests.unit.test_split_attention``)
