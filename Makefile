@@ -11,8 +11,8 @@ setup: $(VENV)/.installed
 
 # The venv holds exactly the lock (locks/main.txt: every dependency with its hashes, test and bench extras
 # included) plus torch at its pin and the project itself; a changed lock makes it anew. Nothing resolves here:
-# each install takes no dependencies of its own, and `pip check` proves the set complete. torch goes first, from
-# its CPU build (`pip install torch==2.13.0` takes the file this machine has; see the README for others).
+# each install takes no dependencies of its own, and `pip check` proves the set complete. torch goes first, at its
+# pin, from its CPU build (on this kind of machine pip takes a local file; the README says how elsewhere).
 $(VENV)/.installed: pyproject.toml locks/main.txt
 	rm -rf $(VENV)
 	python3 -m venv $(VENV)
