@@ -78,16 +78,20 @@ class Reference:
 
 
 def reference_from(worker: Proc) -> Reference:
-    """The prompt set through a worker that serves plain requests to the end (colocated, or prefill), cache
-    flushed first: one batch, so every prompt is computed from scratch in one extend, no prefix reused."""
+    """The prompt set through a worker that serves plain requests to the end (colocated, or prefill): one prompt
+    at a time, each after a cache flush, so every prompt is computed from scratch with no prefix reused (a batch
+    would share the prompts' common chat-template head in one extend: in-batch prefix sharing)."""
     prompts = [chatml(*sq) for sq in PROMPT_SET]
-    assert httpx.post(worker.url + "/flush_cache", timeout=30).status_code == 200
     params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    body = {"text": prompts, "sampling_params": params}
-    r = httpx.post(worker.url + "/generate", json=body, timeout=600)
-    assert r.status_code == 200, r.text
-    assert all(o["meta_info"]["cached_tokens"] == 0 for o in r.json())
-    return Reference(prompts, [o["output_ids"] for o in r.json()])
+    outputs = []
+    with httpx.Client(base_url=worker.url, timeout=120) as client:
+        for prompt in prompts:
+            assert client.post("/flush_cache").status_code == 200
+            r = client.post("/generate", json={"text": prompt, "sampling_params": params})
+            assert r.status_code == 200, r.text
+            assert r.json()["meta_info"]["cached_tokens"] == 0
+            outputs.append(r.json()["output_ids"])
+    return Reference(prompts, outputs)
 
 
 def prompt_margins(model_path: Path) -> list[float]:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # constrained decoding: at most one per request
 GREEDY_BELOW = 1e-5  # a temperature this close to 0 is greedy: dividing logits by it would overflow them into NaN
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI caps them
+# The repetition penalty divides logits: past this floor (a denormal passed `> 0`) a logit overflows to inf and the
+# step every live request shares raises. No sampler means anything by a penalty this strong.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -61,8 +64,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:  # NaN fails both comparisons
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], got "
+                             f"{self.repetition_penalty}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

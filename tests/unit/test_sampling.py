@@ -37,6 +37,7 @@ def test_seed_makes_sampling_reproducible():
 @pytest.mark.parametrize(
     "field,value", [("max_new_tokens", -1), ("temperature", -1.0), ("top_p", 0.0), ("top_k", 0),
                     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0.0),
+                    ("repetition_penalty", 5e-324), ("temperature", float("nan")),
                     ("min_new_tokens", 500), ("top_logprobs", 21)]
 )
 def test_invalid_params_are_rejected_by_name(field, value):
