@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,7 +23,19 @@ if TYPE_CHECKING:
     from decode_worker.model.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 256  # compiled grammars (and refusals) kept, least recently used dropped first
+CACHE_BYTES = 64 << 20  # and at most this much grammar text behind them
 COMPILE_TIMEOUT_S = 30.0  # how long a request waits for its grammar; the compile goes on and is cached for a retry
+# What one request may ask the compiler for (docs/security.md): a grammar's text, its nesting (a JSON schema's
+# objects and arrays, a regex's groups), and compiles waiting for the one compile thread.
+MAX_GRAMMAR_BYTES = 256 << 10
+MAX_GRAMMAR_NESTING = 64
+MAX_QUEUED_COMPILES = 8
+REFUSAL_CHARS = 500  # of a compiler's message kept for a refusal: it may quote the grammar
+# A grammar's work inside the step every request shares (its mask and its accept) is budgeted: a request whose
+# grammar costs more than STEP_BUDGET_S in SLOW_STEPS steps in a row ends with an abort that says so. Ambiguous
+# shapes (`((x|y)*)*z`) grow that work with every token; a single slow step (a collection, a first fill) is no sign.
+STEP_BUDGET_S = 0.010
+SLOW_STEPS = 4
 WHITESPACE_RUN = 16  # most whitespace characters a JSON schema's output may put between two elements
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
 
@@ -35,55 +49,109 @@ class CompiledGrammar:
     compiled: Any  # xgrammar.CompiledGrammar
 
 
-class GrammarCompiler:
-    """Compiles grammars off the loop, caching results by (kind, text), refusals included."""
+@dataclass(frozen=True)
+class Refusal:
+    """A grammar that cannot compile, cached as its message alone: each request gets an error of its own, so no
+    cached exception gathers one traceback frame (and with it that request's grammar text) per re-raise."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES):
+    message: str
+
+
+@dataclass
+class _Entry:
+    future: Future[CompiledGrammar | Refusal]
+    size: int  # bytes of grammar text it stands for
+    waiters: int = 0  # requests awaiting it; a queued compile that none awaits any more is cancelled
+
+
+class GrammarCompiler:
+    """Compiles grammars off the loop, caching results by (kind, text digest), refusals included; bounded in
+    entries and in bytes, with a bounded queue of compiles, and what a request may ask checked before it queues."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES,
+                 cache_bytes: int = CACHE_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width; tokens past the tokenizer's are never allowed
-        self.cache_entries = cache_entries
-        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
+        self._cache: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self._thread = started_pool(1, "grammar")
         self._xgr_compiler: Any = None  # built on the compile thread at first use (xgrammar loads in ~1.5 s)
 
     async def compile(self, params: SamplingParams, timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
-        """``params``' grammar, waiting up to ``timeout_s``; RequestError 400 if invalid, 503 if late."""
-        kind, text = params.grammar
-        future = asyncio.wrap_future(self._submit(kind, text))
+        """``params``' grammar, waiting up to ``timeout_s``; RequestError 400 if invalid, 503 if late or if too
+        many compiles are queued. A request that stops waiting leaves a compile nobody awaits, which is dropped."""
+        key, entry = self._enter(params)
         try:
             async with asyncio.timeout(timeout_s):
-                return await asyncio.shield(future)
+                result = await asyncio.shield(asyncio.wrap_future(entry.future))
         except TimeoutError:
             raise RequestError(f"{params.grammar_name}: the grammar did not compile within {timeout_s:g} s; try "
                                "again shortly", 503, "unavailable") from None
-        except GrammarError as e:
-            raise RequestError(f"{params.grammar_name}: {e}") from None
+        finally:
+            self._leave(key, entry)
+        if isinstance(result, Refusal):
+            raise RequestError(f"{params.grammar_name}: {result.message}")
+        return result
 
     def compile_now(self, params: SamplingParams) -> CompiledGrammar:
         """Blocking ``compile`` (offline generation); ValueError naming the field."""
         try:
-            return self._submit(*params.grammar).result()
-        except GrammarError as e:
-            raise ValueError(f"{params.grammar_name}: {e}") from None
+            key, entry = self._enter(params)
+        except RequestError as e:
+            raise ValueError(str(e)) from None
+        try:
+            result = entry.future.result()
+        finally:
+            self._leave(key, entry)
+        if isinstance(result, Refusal):
+            raise ValueError(f"{params.grammar_name}: {result.message}")
+        return result
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    def _submit(self, kind: str, text: str) -> Future[CompiledGrammar]:
-        key = (kind, text)
+    def _enter(self, params: SamplingParams) -> tuple[tuple[str, bytes], _Entry]:
+        """The cache entry for ``params``' grammar, counted as awaited; a compile queued for it if there is none."""
+        kind, text = params.grammar
+        if refused := too_large(kind, text):
+            raise RequestError(f"{params.grammar_name}: {refused}")
+        key = (kind, hashlib.sha256(text.encode()).digest())
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not future.cancelled():
-                self._cache.move_to_end(key)
-                return future
-            future = self._thread.submit(self._compile, kind, text)
-            self._cache[key] = future
-            while len(self._cache) > self.cache_entries:
-                self._cache.popitem(last=False)
-            return future
+            entry = self._cache.get(key)
+            if entry is None or entry.future.cancelled():
+                if self._queued() >= MAX_QUEUED_COMPILES:
+                    raise RequestError(f"{params.grammar_name}: {MAX_QUEUED_COMPILES} grammars are waiting to "
+                                       "compile; try again shortly", 503, "unavailable")
+                entry = _Entry(self._thread.submit(self._compile, kind, text), len(text))
+                self._put(key, entry)
+            self._cache.move_to_end(key)
+            entry.waiters += 1
+            return key, entry
 
-    def _compile(self, kind: str, text: str) -> CompiledGrammar:
+    def _leave(self, key: tuple[str, bytes], entry: _Entry) -> None:
+        with self._lock:
+            entry.waiters -= 1
+            if entry.waiters == 0 and entry.future.cancel():  # still queued and nobody wants it
+                self._drop(key)
+
+    def _queued(self) -> int:
+        return sum(not e.future.done() for e in self._cache.values())
+
+    def _put(self, key: tuple[str, bytes], entry: _Entry) -> None:
+        if key in self._cache:
+            self._drop(key)
+        self._cache[key] = entry
+        self._cached_bytes += entry.size
+        while len(self._cache) > 1 and (len(self._cache) > self.cache_entries
+                                        or self._cached_bytes > self.cache_bytes):
+            self._drop(next(iter(self._cache)))
+
+    def _drop(self, key: tuple[str, bytes]) -> None:
+        self._cached_bytes -= self._cache.pop(key).size
+
+    def _compile(self, kind: str, text: str) -> CompiledGrammar | Refusal:
         compiler = self._compiler()
         try:
             if kind == "json_schema":
@@ -94,11 +162,11 @@ class GrammarCompiler:
             elif kind == "ebnf":
                 compiled = compiler.compile_grammar(text, root_rule_name="root")
             else:
-                raise GrammarError(f"unknown grammar kind {kind!r}")
+                return Refusal(f"unknown grammar kind {kind!r}")
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
-            raise GrammarError(f"cannot compile the {kind}: {_NOISE.sub('', str(e)).strip()}") from None
+            return Refusal(f"cannot compile the {kind}: {_NOISE.sub('', str(e)).strip()[:REFUSAL_CHARS]}")
         if not _allows_any(compiled, self.vocab_size):  # e.g. root ::= root, or {"anyOf": []}
-            raise GrammarError(f"the {kind} matches no output at all")
+            return Refusal(f"the {kind} matches no output at all")
         return CompiledGrammar(kind, text, compiled)
 
     def _compiler(self) -> Any:
@@ -111,8 +179,40 @@ class GrammarCompiler:
         return self._xgr_compiler
 
 
-class GrammarError(ValueError):
-    """A grammar that cannot compile."""
+def too_large(kind: str, text: str) -> str | None:
+    """Why a grammar is more than a request may ask the compiler for, or None: its bytes, or its nesting (a JSON
+    schema's objects and arrays; a regex's groups). Checked before it queues, in time linear in its length."""
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        return f"the {kind} is longer than {MAX_GRAMMAR_BYTES} bytes"
+    depth = _json_depth(text) if kind == "json_schema" else _group_depth(text) if kind == "regex" else 0
+    if depth > MAX_GRAMMAR_NESTING:
+        return f"the {kind} nests deeper than {MAX_GRAMMAR_NESTING} levels"
+    return None
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in JSON ``text`` (brackets outside strings; no recursion)."""
+    depth = deepest = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', text):
+        bracket = token[0]
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in "]}":
+            depth -= 1
+    return deepest
+
+
+def _group_depth(text: str) -> int:
+    """The deepest nesting of groups in a regular expression (parentheses not escaped nor in a class)."""
+    depth = deepest = 0
+    for token in re.finditer(r"\\.|\[(?:[^\]\\]|\\.)*\]|[()]", text):
+        if token[0] == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token[0] == ")":
+            depth -= 1
+    return deepest
 
 
 class RowGrammar:
@@ -123,15 +223,31 @@ class RowGrammar:
 
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.name = name  # the request field, for the dead-end message
+        self.step_s = 0.0  # this step's work so far: its mask, then its accept
+        self.slow_steps = 0  # steps in a row over STEP_BUDGET_S
+
+    def fill(self, bits: torch.Tensor, row: int) -> None:
+        start = time.perf_counter()
+        self.matcher.fill_next_token_bitmask(bits, row)
+        self.step_s += time.perf_counter() - start
 
     def advance(self, seq: Sequence) -> None:
-        """Feed ``seq``'s newest token; finish ``seq`` at a dead end or the grammar's end."""
+        """Feed ``seq``'s newest token; finish ``seq`` at a dead end, the grammar's end, or past its budget."""
         token = seq.output_ids[-1]
-        if not self.matcher.accept_token(token):
+        start = time.perf_counter()
+        accepted = self.matcher.accept_token(token)
+        step_s, self.step_s = self.step_s + time.perf_counter() - start, 0.0
+        self.slow_steps = self.slow_steps + 1 if step_s > STEP_BUDGET_S else 0
+        if not accepted:
             seq.finish_reason = {"type": "abort",
                                  "message": f"grammar dead end: token {token} is not allowed by {self.name}"}
         elif self.matcher.is_terminated() and seq.finish_reason is None:
             seq.finish_reason = {"type": "stop", "matched": token}
+        elif self.slow_steps >= SLOW_STEPS and seq.finish_reason is None:
+            seq.finish_reason = {"type": "abort", "message": (
+                f"{self.name}: the grammar took over {STEP_BUDGET_S * 1000:g} ms a token for {SLOW_STEPS} tokens "
+                "in a row, in the step other requests share; a grammar without nested repetition (such as "
+                "(a*)* or ((a|b)+)+) avoids that")}
 
 
 @dataclass
@@ -155,8 +271,8 @@ def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> BatchMask |
     import xgrammar as xgr
 
     bits = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    filler = xgr.BatchGrammarMatcher(max_threads=1)  # about a microsecond to make: one per call, no shared state
-    filler.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bits, rows)
+    for i in rows:  # one at a time, so that each row's work is timed against its budget
+        grammars[i].fill(bits, i)
     for i, stuck in zip(rows, (bits[rows] == 0).all(dim=1).tolist()):
         if stuck:  # a state with no way on: let the row end, which advance() then reports as a dead end
             _allow(bits, i, grammars[i].matcher.stop_token_ids)

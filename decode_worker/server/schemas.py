@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from decode_worker.core.sampling import MIN_REPETITION_PENALTY
 from decode_worker.pd.handshake import MAX_HANDSHAKE_WAIT_S, PD_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,14 @@ ScoredTokens = Annotated[int, Field(ge=0)]  # 0 scores the prompt (its logprobs)
 LogprobStart = Annotated[int, Field(ge=-1)]  # -1: output logprobs only, as SGLang's default
 SamplesPerPrompt = Annotated[int, Field(ge=1, le=64)]  # each sample is a request of its own
 Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency and presence, as OpenAI bounds them
-RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
+RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 GrammarText = Annotated[str, Field(min_length=1)]  # a JSON schema, regular expression or EBNF grammar
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a torch generator can be seeded with
+# Stop strings are looked for after every token, on the event loop: their number and length are bounded.
+MAX_STOPS, MAX_STOP_CHARS = 32, 256
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stops = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)]
 # A prompt is never empty, nor is a batch of them.
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -75,7 +80,7 @@ class SGLangSamplingParams(_Lenient):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
-    stop: str | list[str] | None = None
+    stop: Stops | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: SamplesPerPrompt = 1
@@ -136,7 +141,7 @@ class OpenAISampling(BootstrapFields):
     n: SamplesPerPrompt = 1
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
-    stop: str | list[str] | None = None
+    stop: Stops | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: Seed | None = None
@@ -293,6 +298,7 @@ NOTES = frozenset({"user", "metadata", "service_tier", "safety_identifier",
                    "custom_labels", "data_parallel_rank", "bootstrap_pair_key", "extra_key", "priority"})
 
 ROUTES = {"/generate": GENERATE, "/v1/completions": OPENAI, "/v1/chat/completions": OPENAI}
+MAX_WARNED = 256  # unknown field names remembered (each is logged once); clients choose them, so they are bounded
 _warned: set[tuple[str, str]] = set()
 
 
@@ -321,6 +327,15 @@ def _check(model: type[BaseModel], data: dict, table: dict, where: str, prefix: 
             neutral, feature = table[name]
             if not neutral(value):
                 raise ValueError(f"field '{prefix}{name}' is not supported by this worker ({feature}): leave it out")
-        elif name not in known and name not in NOTES and (where, prefix + name) not in _warned:
-            _warned.add((where, prefix + name))
-            log.warning("%s: ignoring field '%s', which no API this worker speaks documents", where, prefix + name)
+        elif name not in known and name not in NOTES:
+            _warn_unknown(where, prefix + name)
+
+
+def _warn_unknown(where: str, name: str) -> None:
+    """Log an unknown field once; past ``MAX_WARNED`` names, one last line and no more."""
+    key = (where, name[:100])
+    if key not in _warned and len(_warned) < MAX_WARNED:
+        _warned.add(key)
+        log.warning("%s: ignoring field '%s', which no API this worker speaks documents", where, key[1])
+        if len(_warned) == MAX_WARNED:
+            log.warning("%d unknown field names logged; further ones are ignored without a line", MAX_WARNED)

@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -36,18 +37,38 @@ def load(cache: Path) -> ctypes.CDLL | None:
     """The compiled kernels (built into ``cache`` once per source, compiler and CPU), or None where they cannot be
     built here, with the reason logged. Callers keep the result: each call checks the compiler's version."""
     try:
-        return _open(_build(cache if _writable(cache) else _private_temp_dir()))
+        return _open(_build(cache if _private(cache) else _private_temp_dir()))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("native CPU kernels unavailable (%s); using torch's forms", e)
         return None
 
 
-def _writable(directory: Path) -> bool:
+def _private(directory: Path) -> bool:
+    """Whether ``directory`` (made 0700 if missing) is one that only this user (or root) can have put files in:
+    ours, writable by nobody else, no symlink anywhere on its path, and every folder above it owned by us or root
+    and writable by nobody else unless sticky (as /tmp). A library in any other folder could be another user's."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return False
+        path = Path(os.path.abspath(directory))
+        for at in [path, *path.parents]:
+            st = at.lstat()
+            mine = st.st_uid == os.getuid()
+            if stat.S_ISLNK(st.st_mode) or not (mine or st.st_uid == 0):
+                return False
+            if st.st_mode & 0o022 and (at == path or not st.st_mode & stat.S_ISVTX):
+                return False
+        return path.lstat().st_uid == os.getuid()
     except OSError:
         return False
-    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _safe_to_load(path: Path) -> None:
+    """Raise unless ``path`` is a plain file of ours that nobody else may write."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{path} is not a library file of this user's alone: not loaded")
 
 
 def _private_temp_dir() -> Path:
@@ -78,13 +99,19 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(cache: Path) -> Path:
+def library_path(cache: Path) -> Path:
+    """Where ``cache`` holds the library built from these sources by this compiler for this CPU."""
     cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*texts, cc, version, " ".join(_FLAGS), _cpu_flags()]).encode())
-    target = cache / f"cpu_native-{key.hexdigest()[:16]}.so"
+    return cache / f"cpu_native-{key.hexdigest()[:16]}.so"
+
+
+def _build(cache: Path) -> Path:
+    cc, target = _compiler(), library_path(cache)
     if target.exists():
+        _safe_to_load(target)
         return target
     cache.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
@@ -94,6 +121,7 @@ def _build(cache: Path) -> Path:
                               timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.chmod(partial, 0o755)  # whatever the umask: _safe_to_load refuses a file others may write
         os.replace(partial, target)  # atomic: concurrent builders each publish a whole file
     finally:
         if os.path.exists(partial):

@@ -17,7 +17,7 @@ LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> Iterator[Proc]:
-    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), max_context=8192)
     proc = start_worker("hostile", tmp_path_factory.mktemp("hostile-logs"), "colocated", "--model-path", str(model))
     yield proc
     proc.stop()
@@ -41,3 +41,100 @@ def test_a_number_that_breaks_the_step_is_refused_and_costs_the_neighbour_nothin
     assert bad.status_code == 400 and "repetition_penalty" in bad.json()["error"]["message"], bad.text
     assert long["value"].status_code == 200, long["value"].text
     assert len(long["value"].json()["output_ids"]) == LONG["max_new_tokens"]
+
+
+def rss_bytes(proc: Proc) -> int:
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError("no VmRSS")
+
+
+def test_a_refused_grammar_sent_again_and_again_holds_no_memory(worker):
+    """The cache re-raised one exception per refused grammar, each raise adding a frame that kept that request's
+    grammar text alive: a repeated 200 KB regex grew the worker by its size every time."""
+    body = {"text": "0", "sampling_params": {"regex": "(" + "a" * 200_000, "max_new_tokens": 4}}
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        for _ in range(5):  # the cache entry and allocator pools settle
+            assert client.post("/generate", json=body).status_code == 400
+        before = rss_bytes(worker)
+        for _ in range(60):
+            r = client.post("/generate", json=body)
+            assert r.status_code == 400 and "cannot compile the regex" in r.json()["error"]["message"], r.text
+    assert rss_bytes(worker) - before < 6 << 20, "60 refusals of a 200 KB regex held on to their texts"
+
+
+def test_a_schema_nested_too_deep_is_refused_at_once_and_other_grammars_compile(worker):
+    """Two schemas of arrays nested ~1000 deep held the one compile thread for minutes: every grammar request
+    answered 503. Nesting is bounded before anything queues."""
+    deep = '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000
+    heavy = [in_background(lambda: httpx.post(worker.url + "/generate", timeout=60, json={
+        "text": "0", "sampling_params": {"json_schema": deep, "max_new_tokens": 4}})) for _ in range(2)]
+    ok = httpx.post(worker.url + "/generate", timeout=60,
+                    json={"text": "0", "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 8}})
+    assert ok.status_code == 200 and len(ok.json()["text"]) == 3, ok.text
+    for thread, out in heavy:
+        thread.join()
+        r = out["value"]
+        assert r.status_code == 400 and "nests deeper than" in r.json()["error"]["message"], r.text
+
+
+TOOLS = [{"type": "function", "function": {"name": "alarm", "parameters": {
+    "type": "object", "properties": {"on": {"type": "string"}}, "required": ["on"]}}}]
+MESSAGES = [{"role": "user", "content": "Alarm?"}]
+
+
+def test_a_call_nested_past_the_json_parser_is_content_not_a_500(worker):
+    body = {"messages": MESSAGES, "tools": TOOLS, "regex": r"<tool_call>\[{1200}", "max_tokens": 1300}
+    r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == "<tool_call>" + "[" * 1200 and not message.get("tool_calls")
+
+
+def streamed_chat(proc: Proc, body: dict) -> tuple[float, list[dict]]:
+    import json
+    import time
+
+    deltas, start = [], time.monotonic()
+    with httpx.stream("POST", proc.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                deltas += [c["delta"] for c in json.loads(line[6:])["choices"]]
+    return time.monotonic() - start, deltas
+
+
+@pytest.mark.slow  # two ~4,000-token streams (~40 s); test_tool_calls.py checks the reader's scaling in the default run
+def test_a_long_streamed_call_is_read_in_time_linear_in_its_length(worker):
+    """Each delta inside an open call re-read the whole body once per end tag inside its strings, on the event
+    loop: a 4,000-token call took several times as long to stream as the same text without tools. Now the same."""
+    regex = r'<tool_call>\{"name": "alarm", "arguments": \{"on": "(</tool_call>){330}"\}\}</tool_call>'
+    body = {"messages": MESSAGES, "regex": regex, "max_tokens": 4100, "temperature": 0}
+    plain_s, plain = streamed_chat(worker, body)
+    tools_s, deltas = streamed_chat(worker, {**body, "tools": TOOLS})
+    assert "".join(d.get("content") or "" for d in plain).count("</tool_call>") == 331
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    arguments = "".join(c["function"].get("arguments", "") for c in calls)
+    assert calls[0]["function"]["name"] == "alarm" and arguments == '{"on": "' + "</tool_call>" * 330 + '"}'
+    assert not any(d.get("content") for d in deltas)
+    assert tools_s < 1.5 * plain_s + 1, (tools_s, plain_s)
+
+
+def test_a_grammar_whose_work_grows_with_its_output_ends_and_the_neighbour_finishes(worker):
+    """`((x|y)*)*z` grows xgrammar's work with every token (about 10 ms a token after 200, 80 ms after 400, on the
+    step every request shares); past its budget the request ends with an abort that says why. The equivalent
+    `[xy]*z` keeps working to its length."""
+    ask = {"max_new_tokens": 1000, "temperature": 0}
+    thread, neighbour = in_background(lambda: httpx.post(worker.url + "/generate", timeout=120, json={
+        "text": "0", "sampling_params": {**LONG, "max_new_tokens": 600}}))
+    nested = httpx.post(worker.url + "/generate", timeout=300,
+                        json={"text": "xyxy", "sampling_params": {"regex": "((x|y)*)*z", **ask}})
+    thread.join()
+    assert nested.status_code == 200, nested.text
+    reason = nested.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "ms a token" in reason["message"] and "regex" in reason["message"], reason
+    assert neighbour["value"].status_code == 200 and len(neighbour["value"].json()["output_ids"]) == 600
+    flat = httpx.post(worker.url + "/generate", timeout=300,
+                      json={"text": "xyxy", "sampling_params": {"regex": "[xy]*z", **ask}})
+    assert flat.status_code == 200 and flat.json()["meta_info"]["finish_reason"]["type"] != "abort", flat.text

@@ -17,7 +17,15 @@ from decode_worker.core.sampling import SamplingParams
 from decode_worker.core.sequence import Sequence
 from decode_worker.engine.llm import LLM
 from decode_worker.model.sampler import make_generator, sample
-from decode_worker.scheduler.grammar import BatchMask, GrammarCompiler, RowGrammar, fill_mask
+from decode_worker.scheduler.grammar import (
+    MAX_GRAMMAR_BYTES,
+    MAX_QUEUED_COMPILES,
+    BatchMask,
+    GrammarCompiler,
+    Refusal,
+    RowGrammar,
+    fill_mask,
+)
 from tests.tiny_model import save_tiny_chat_model
 from tests.unit.test_scheduler import make_scheduler
 
@@ -131,6 +139,79 @@ def test_a_compile_past_its_deadline_is_a_503_and_a_retry_finds_it(llm):
     assert e.value.status == 503 and str(e.value).startswith("regex: ")
     gate.set()
     assert asyncio.run(compiler.compile(params, timeout_s=10)).kind == "regex"
+    compiler.close()
+
+
+def test_a_refusal_is_cached_as_its_message_and_raised_anew_for_each_request(llm):
+    """One cached exception re-raised gathered a traceback frame per request, each holding that request's grammar."""
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    params = SamplingParams(regex="(" + "a" * 1000, grammar_field="regex")
+    raised = []
+    for _ in range(3):
+        with pytest.raises(RequestError) as e:
+            asyncio.run(compiler.compile(params))
+        raised.append(e.value)
+    assert len({id(e) for e in raised}) == 3
+    assert all(isinstance(entry.future.result(), Refusal) for entry in compiler._cache.values())
+    compiler.close()
+
+
+def test_the_cache_is_bounded_by_the_bytes_of_grammar_behind_it(llm):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size, cache_bytes=3000)
+    for n in range(1, 6):
+        compiler.compile_now(SamplingParams(regex=f"a{{{n}}}" + "b" * 1000))
+    assert len(compiler._cache) == 2 and compiler._cached_bytes <= 3000
+    compiler.close()
+
+
+@pytest.mark.parametrize("kind,text,says", [
+    ("json_schema", '{"type": "array", "items": ' * 200 + "{}" + "}" * 200, "nests deeper than"),
+    ("json_schema", json.dumps({"enum": ["[" * 500]}), None),  # brackets inside strings do not nest
+    ("regex", "(" * 100 + "a" + ")" * 100, "nests deeper than"),
+    ("regex", r"\(" * 100 + "[(]" * 100, None),  # escaped and bracketed parentheses are no groups
+    ("ebnf", 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"', "longer than"),
+])
+def test_size_and_nesting_are_checked_before_anything_compiles(llm, kind, text, says):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    compiled: list[str] = []
+    inner = compiler._compile
+    compiler._compile = lambda kind, text: compiled.append(kind) or inner(kind, text)
+    params = SamplingParams(**{kind: text})
+    if says is None:
+        asyncio.run(compiler.compile(params))
+        assert compiled == [kind]
+    else:
+        with pytest.raises(RequestError, match=says) as e:
+            asyncio.run(compiler.compile(params))
+        assert e.value.status == 400 and not compiled
+    compiler.close()
+
+
+def test_compiles_queue_boundedly_and_one_nobody_awaits_is_dropped(llm):
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
+    gate = threading.Event()
+    inner = compiler._compile
+    compiler._compile = lambda kind, text: gate.wait() and inner(kind, text)
+
+    async def waits(n: int, timeout_s: float):
+        return await asyncio.gather(*(compiler.compile(SamplingParams(regex=f"a{{{i + 1}}}"), timeout_s=timeout_s)
+                                      for i in range(n)), return_exceptions=True)
+
+    gone = asyncio.run(waits(MAX_QUEUED_COMPILES - 1, 0.05))  # their requests stop waiting: 503s
+    assert all(isinstance(e, RequestError) and e.status == 503 for e in gone)
+    assert len(compiler._cache) == 1  # the running compile stays; the queued ones nobody awaits are gone
+
+    async def flood():
+        futures = [asyncio.ensure_future(compiler.compile(SamplingParams(regex=f"b{{{i + 1}}}"), timeout_s=10))
+                   for i in range(MAX_QUEUED_COMPILES - 1)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(RequestError, match="waiting to compile") as e:
+            await compiler.compile(SamplingParams(regex="c"), timeout_s=10)
+        assert e.value.status == 503
+        gate.set()
+        return await asyncio.gather(*futures)
+
+    assert all(g.kind == "regex" for g in asyncio.run(flood()))
     compiler.close()
 
 

@@ -59,6 +59,10 @@ ANSWERS = {  # answer -> (content, calls)
     '<tool_call>{"name": "add", "argu': ('<tool_call>{"name": "add", "argu', []),
     '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>':
         ('<tool_call>{"name": ["add"], "arguments": {}}</tool_call>', []),
+    # nested past the JSON parser's depth (its RecursionError once made a 500): content, as written
+    "<tool_call>" + "[" * 5000 + "</tool_call>": ("<tool_call>" + "[" * 5000 + "</tool_call>", []),
+    '<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + '"}</tool_call>':
+        ('<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + '"}</tool_call>', []),
 }
 
 
@@ -68,6 +72,22 @@ def test_hermes_answers_read_whole_and_streamed_alike(answer):
     for step in (len(answer), 1, 3, 7):
         got_content, got_calls = streamed(TaggedReader(NAMES), answer, step)
         assert (got_content, calls_of(got_calls)) == (content, calls), step
+
+
+def test_a_streamed_call_costs_linear_time_in_its_length():
+    """Each delta once re-read the whole pending body for every end tag inside a string: a body 4x longer took
+    ~64x longer (cubic). Read once, 4x the body takes ~4x the time; a margin of 3x over that for a noisy machine."""
+    import time
+
+    def stream_time(repeats: int) -> float:
+        answer = call_text("add", {"s": "</tool_call>" * repeats})
+        reader, start = TaggedReader(NAMES), time.perf_counter()
+        content, calls = streamed(reader, answer, 2)
+        assert content is None and calls_of(calls) == [("add", {"s": "</tool_call>" * repeats})]
+        return time.perf_counter() - start
+
+    stream_time(50)  # warm
+    assert min(stream_time(800) for _ in range(3)) < 12 * min(stream_time(200) for _ in range(3))
 
 
 def test_a_stream_never_sends_markup_or_an_unfinished_call():

@@ -36,7 +36,7 @@ def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
     """A call to one of ``names``, else None."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth; content, not a 500
         return None
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str) \
             or obj["name"] not in names:
@@ -45,7 +45,7 @@ def parse_call(text: str, names: frozenset[str]) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -87,17 +87,39 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-def _in_string(text: str) -> bool:
-    """Whether JSON ``text`` ends inside a string."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\" and inside:
-            escaped = True
-        elif ch == '"':
-            inside = not inside
-    return inside
+class _EndTagScan:
+    """Finds a call body's end tag outside JSON strings, reading each character once across deltas: the scan's
+    place and whether it stands inside a string carry over, so a streamed body costs O(its length)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.reset()
+
+    def reset(self) -> None:
+        self.at = 0
+        self.in_string = self.escaped = False
+
+    def find(self, body: str) -> int:
+        """Where the tag starts in ``body`` (the body so far, only ever extended), or -1."""
+        at, tag = self.at, self.tag
+        while at < len(body):
+            ch = body[at]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == tag[0] and tag.startswith(body[at:at + len(tag)]):
+                if len(body) - at >= len(tag):
+                    return at
+                break  # the tag may be arriving: read from here once more text has come
+            at += 1
+        self.at = at
+        return -1
 
 
 class TaggedReader:
@@ -107,6 +129,7 @@ class TaggedReader:
         self.names, self.start, self.end = names, start, end
         self.pending = ""
         self.inside = False
+        self.end_scan = _EndTagScan(end)
         self.spacing = _Spacing()
 
     def feed(self, text: str) -> list[Item]:
@@ -121,8 +144,9 @@ class TaggedReader:
                     return out + (self.spacing.text(ready) if ready else [])
                 out += self.spacing.text(self.pending[:at]) if at else []
                 self.pending, self.inside = self.pending[at + len(self.start):], True
+                self.end_scan.reset()
             else:
-                at = self._end_tag()
+                at = self.end_scan.find(self.pending)
                 if at < 0:
                     return out
                 out += self._call(self.pending[:at], self.end)
@@ -136,13 +160,6 @@ class TaggedReader:
             out += self.spacing.text(self.pending)
         self.pending, self.inside = "", False
         return out + self.spacing.finish()
-
-    def _end_tag(self) -> int:
-        """The call's end tag outside JSON strings, or -1."""
-        at = self.pending.find(self.end)
-        while at >= 0 and _in_string(self.pending[:at]):
-            at = self.pending.find(self.end, at + 1)
-        return at
 
     def _call(self, body: str, end: str) -> list[Item]:
         call = parse_call(body, self.names)
