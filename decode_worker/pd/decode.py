@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
@@ -36,6 +37,27 @@ HANDSHAKE_KEEPALIVE_S = 1.0
 """How long an idle connection to a prefill worker is kept for the next handshake; well under the server's."""
 HOLD_MARGIN_S = 1.0
 """How much earlier than prefill's hold our read must end."""
+MAX_ANSWER_BYTES = 64 << 20
+"""The largest handshake answer read: its agent metadata and a long prompt's top logprobs fit many times over."""
+PARSE_ON_LOOP_BYTES = 64 << 10
+"""Answers larger than this are parsed off the event loop."""
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """A handshake call's status and body, read whole within ``MAX_ANSWER_BYTES``."""
+
+    status_code: int
+    content: bytes
+
+    async def json(self) -> object:
+        """The body as JSON, parsed off the loop when large; None when it is not JSON."""
+        try:
+            if len(self.content) <= PARSE_ON_LOOP_BYTES:
+                return json.loads(self.content)
+            return await asyncio.get_running_loop().run_in_executor(None, json.loads, self.content)
+        except (ValueError, RecursionError):
+            return None
 
 
 def handshake_client(timeout_s: float) -> httpx.AsyncClient:
@@ -202,19 +224,16 @@ class DeltaKVFetcher:
             await asyncio.sleep(max(0.0, room.asked + wait_s - room.answered))  # one ask per wait_s, however fast
         if resp.status_code != 200:
             try:
-                detail = resp.json()["error"]["message"]
-            except Exception:
-                detail = resp.text[:300]
+                detail = str((await resp.json())["error"]["message"])[:300]
+            except (TypeError, KeyError):
+                detail = resp.content[:300].decode(errors="replace")
             reason = _HANDSHAKE_REASONS.get(resp.status_code, "handshake_rejected")
             raise self._fail(reason, f"prefill rejected the handshake ({resp.status_code}): {detail}")
         round_trip = room.answered - room.asked  # the last call's: prefill's waited_s must fit in it
         self.metrics.kv_handshake_seconds.observe(room.answered - first_asked)  # prefill's queue and compute
         asked_for = Asked(boot.room, len(prompt), self.pool.page_size, self.agent.pool.page_bytes, self.vocab_size,
                           round_trip)
-        try:
-            data = resp.json()
-        except ValueError:
-            data = None  # not JSON (a truncated body): refused below as not an object
+        data = await resp.json()  # None when not JSON (a truncated body): refused below as not an object
         try:
             answer = Answer.from_json(data, asked_for)
         except ValueError as e:  # a field out of range: this request fails, nothing else
@@ -222,17 +241,26 @@ class DeltaKVFetcher:
                                            f"{e}") from e
         return answer, await self._peer(peer_key, answer)
 
-    async def _ask(self, room: _Room, url: str, body: dict) -> httpx.Response:
-        """One handshake call, each within the handshake timeout; ``room.asked``/``answered`` time the last one."""
+    async def _ask(self, room: _Room, url: str, body: dict) -> _Reply:
+        """One handshake call, each within the handshake timeout; ``room.asked``/``answered`` time the last one.
+        The answer is read up to ``MAX_ANSWER_BYTES``: a larger one fails the request without being held."""
         room.asked = time.monotonic()
         try:
-            resp = await self.http.post(url, json=body, headers=self._auth_headers(room.boot))
-        except httpx.TimeoutException as e:
+            async with (asyncio.timeout(self.config.handshake_timeout_s),
+                        self.http.stream("POST", url, json=body, headers=self._auth_headers(room.boot)) as resp):
+                chunks, size = [], 0
+                async for chunk in resp.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
+                        raise self._fail("bad_answer", f"prefill handshake at {url} answered more than "
+                                                       f"{MAX_ANSWER_BYTES} bytes")
+                    chunks.append(chunk)
+        except (httpx.TimeoutException, TimeoutError) as e:
             raise self._fail("timeout", f"prefill handshake at {url} timed out", 504) from e
         except httpx.HTTPError as e:
             raise self._fail("handshake_unreachable", f"prefill handshake at {url} failed: {e!r}") from e
         room.answered = time.monotonic()
-        return resp
+        return _Reply(resp.status_code, b"".join(chunks))
 
     async def _peer(self, peer_key: tuple[str, int], answer: Answer) -> Peer:
         """Prefill's agent, loaded once, within the handshake timeout."""

@@ -1,10 +1,14 @@
-"""What another user on the worker's host can do, over real worker processes (docs/security.md, "Local users"):
-plant a library where the worker looks for its compiled kernels, or listen on a loopback port a request names."""
+"""What another user on the worker's host, or a peer at the PD edge, can do, over real worker processes
+(docs/security.md, "Local users" and "The PD edge"): plant a library where the worker looks for its compiled kernels,
+or answer a handshake with more than any prefill would."""
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
 import subprocess
+import threading
+import time
 
 import httpx
 import pytest
@@ -48,3 +52,58 @@ def test_a_kernel_folder_another_user_made_is_not_loaded_from(tmp_path):
         worker.stop()
     assert not ran.exists(), "the planted library's constructor ran inside the worker"
     assert "native CPU kernels unavailable" not in worker.log.read_text()  # it built its own, privately
+
+
+class HugeAnswer(http.server.BaseHTTPRequestHandler):
+    """A 'prefill' whose handshake answer is 160 MB of JSON."""
+
+    SIZE = 160 << 20
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(self.SIZE))
+        self.end_headers()
+        head, tail, chunk = b'{"pad": "', b'"}', b" " * (1 << 20)
+        try:
+            self.wfile.write(head)
+            for _ in range(self.SIZE // len(chunk) - 1):
+                self.wfile.write(chunk)
+            self.wfile.write(b" " * (len(chunk) - len(head) - len(tail)) + tail)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # decode stopped reading: what it should do
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_huge_handshake_answer_fails_its_request_without_stalling_the_worker(tmp_path):
+    """A 160 MB answer was read whole and parsed on the event loop (933 MiB more, a 4.7 s stall). Now the read
+    stops at its bound, the request fails naming it, and the worker answers probes throughout."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HugeAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    model = save_tiny_chat_model(tmp_path / "model")
+    (tmp_path / "logs").mkdir()
+    decode = start_worker("decode-huge-answer", tmp_path / "logs", "decode", "--model-path", str(model),
+                          "--disaggregation-decode-enable-radix-cache")
+    try:
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": server.server_address[1], "bootstrap_room": 7}
+        thread_out: dict = {}
+        thread = threading.Thread(target=lambda: thread_out.setdefault(
+            "r", httpx.post(decode.url + "/generate", json=body, timeout=120)))
+        thread.start()
+        slowest = 0.0
+        while thread.is_alive():
+            start = time.monotonic()
+            assert httpx.get(decode.url + "/health", timeout=10).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+        r = thread_out["r"]
+        assert r.status_code == 502 and "answered more than" in r.json()["error"]["message"], r.text
+        assert slowest < 1.0, f"a probe waited {slowest:.1f} s"
+        assert decode.metric("decode_worker_transfer_failures_total", reason="bad_answer") >= 1
+    finally:
+        decode.stop()
+        server.shutdown()
