@@ -87,6 +87,27 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+@dataclass
+class _Strings:
+    """Whether JSON read one character at a time stands inside a string."""
+
+    inside: bool = False
+    escaped: bool = False
+
+    def read(self, ch: str) -> bool:
+        """Take ``ch``; True when it is part of a string (its quotes included), so it is no syntax."""
+        if self.inside:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.inside = False
+            return True
+        self.inside = ch == '"'
+        return self.inside
+
+
 class _EndTagScan:
     """Finds a call body's end tag outside JSON strings, reading each character once across deltas: the scan's
     place and whether it stands inside a string carry over, so a streamed body costs O(its length)."""
@@ -97,23 +118,14 @@ class _EndTagScan:
 
     def reset(self) -> None:
         self.at = 0
-        self.in_string = self.escaped = False
+        self.strings = _Strings()
 
     def find(self, body: str) -> int:
         """Where the tag starts in ``body`` (the body so far, only ever extended), or -1."""
         at, tag = self.at, self.tag
         while at < len(body):
             ch = body[at]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch == tag[0] and tag.startswith(body[at:at + len(tag)]):
+            if not self.strings.read(ch) and ch == tag[0] and tag.startswith(body[at:at + len(tag)]):
                 if len(body) - at >= len(tag):
                     return at
                 break  # the tag may be arriving: read from here once more text has come
@@ -175,7 +187,8 @@ class ArrayReader:
         self.names = names
         self.text = ""
         self.depth = 0
-        self.opened = self.in_string = self.escaped = self.broken = False
+        self.opened = self.broken = False
+        self.strings = _Strings()
         self.element = -1  # where the open element starts, -1 while none is open
         self.done_to = 0  # what precedes this went out as a call or was array syntax
         self.spacing = _Spacing()
@@ -198,18 +211,10 @@ class ArrayReader:
         return (self.spacing.text(cut) if cut else []) + self.spacing.finish()
 
     def _step(self, at: int, ch: str) -> list[Item]:
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-            return []
         if self.depth >= 2:  # inside an element: only its nesting matters here, json.loads judges the rest
-            if ch == '"':
-                self.in_string = True
-            elif ch in "[{":
+            if self.strings.read(ch):
+                return []
+            if ch in "[{":
                 self.depth += 1
             elif ch in "]}":
                 self.depth -= 1
