@@ -71,8 +71,8 @@ class ServerConfig(BaseSettings):
     api_key: str = _opt("require 'Authorization: Bearer <key>' on every route but /health, /health_generate and "
                         "/metrics (prefer the environment variable: flags show in ps)", "")
     max_request_body_bytes: int = _opt("largest request body accepted; a larger one gets 413", 32 * 1024 * 1024)
-    max_concurrent_requests: int = _opt("most requests in flight on the generation routes; past it they get 503 "
-                                        "with Retry-After", 1024)
+    max_concurrent_requests: int = _opt("most sequences in flight on the generation routes (each prompt of a batch "
+                                        "and each of n counts); past it they get 503 with Retry-After", 1024)
     request_body_timeout_s: float = _opt("a request's whole body must arrive within this many seconds of its "
                                          "headers, else 408 (a generation request takes a slot of "
                                          "--max-concurrent-requests only once its body is in)", 30.0)

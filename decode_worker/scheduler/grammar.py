@@ -133,8 +133,8 @@ class GrammarCompiler:
     def _leave(self, key: tuple[str, bytes], entry: _Entry) -> None:
         with self._lock:
             entry.waiters -= 1
-            if entry.waiters == 0 and entry.future.cancel():  # still queued and nobody wants it
-                self._drop(key)
+            if entry.waiters == 0 and entry.future.cancel() and self._cache.get(key) is entry:
+                self._drop(key)  # it was still queued and nobody wants it
 
     def _queued(self) -> int:
         return sum(not e.future.done() for e in self._cache.values())

@@ -12,7 +12,7 @@ from decode_worker.config import ServerConfig
 from decode_worker.engine.engine import Engine
 from decode_worker.server import routes_openai, routes_ops, routes_sglang
 from decode_worker.server.errors import install_error_handlers
-from decode_worker.server.guard import RequestGuard
+from decode_worker.server.guard import RequestGuard, Slots
 from decode_worker.server.openapi import declare_models
 
 log = logging.getLogger("decode_worker")
@@ -24,9 +24,10 @@ def create_app(engine: Engine) -> FastAPI:
     cfg = engine.config
     app = FastAPI(title="decode-worker", docs_url=None, redoc_url=None)
     app.state.engine = engine  # what the routes' EngineDep hands them
+    app.state.slots = Slots(cfg.max_concurrent_requests)  # the guard's cap, which routes extend by a fan-out
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
-                       max_concurrent=cfg.max_concurrent_requests, body_timeout_s=cfg.request_body_timeout_s)
+                       slots=app.state.slots, body_timeout_s=cfg.request_body_timeout_s)
     app.include_router(routes_sglang.router(cfg))
     app.include_router(routes_openai.router(cfg))
     app.include_router(routes_ops.router(cfg))

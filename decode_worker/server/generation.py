@@ -16,6 +16,7 @@ from decode_worker.core.request import GenerateInput, PromptLogprobs, RequestErr
 from decode_worker.core.sequence import trim_stop_string
 from decode_worker.engine.engine import Engine
 from decode_worker.server.errors import error_body
+from decode_worker.server.guard import fan_out
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ class Collected:
         return trim_stop_string(self.stream_text.decode(self.ids), self.finish_reason)
 
 
-async def admit(engine: Engine, inputs: list[GenerateInput]) -> None:
-    """Check every prompt and compile its grammar before any runs."""
+async def admit(engine: Engine, request: Request, inputs: list[GenerateInput]) -> None:
+    """Count every sequence against the cap, check every prompt and compile its grammar before any runs."""
+    fan_out(request, len(inputs))
     for inp in inputs:
         engine.check_request(inp)
     for inp in inputs:

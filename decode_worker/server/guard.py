@@ -5,9 +5,11 @@ import asyncio
 import hmac
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from decode_worker.core.request import RequestError
 from decode_worker.server.errors import error_response
 
 # Probes and scrapes stay open: kubelets and Prometheus carry no key, and none of them reveals a prompt.
@@ -38,14 +40,41 @@ class Body:
     gone: bool = False
 
 
+@dataclass
+class Slots:
+    """``--max-concurrent-requests``, counted in sequences: a generation request takes one slot once its body is
+    in and, once its inputs are known, one more per further sequence it fans out to (a batch of prompts, ``n``);
+    it gives back all it took with its last byte out."""
+
+    limit: int
+    in_use: int = 0
+
+
+HELD = "decode_worker_slots"  # in a request's scope state: the slots it holds
+
+
+def fan_out(request: Request, sequences: int) -> None:
+    """Take the slots of a request's further sequences: 400 if it could never fit, 503 while too many are taken."""
+    slots: Slots = request.app.state.slots
+    more = sequences - 1
+    if sequences > slots.limit:
+        raise RequestError(f"the request fans out to {sequences} sequences (prompts x n), more than "
+                           f"--max-concurrent-requests ({slots.limit})")
+    if more > 0 and slots.in_use + more > slots.limit:
+        raise RequestError(f"server busy: {slots.in_use} of {slots.limit} sequence slots taken and this request "
+                           f"needs {sequences}; retry later", 503, "overloaded")
+    if more > 0:
+        slots.in_use += more
+        request.scope["state"][HELD] += more
+
+
 class RequestGuard:
-    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int, max_concurrent: int, body_timeout_s: float):
+    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int, slots: Slots, body_timeout_s: float):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.max_concurrent = max_concurrent
+        self.slots = slots
         self.body_timeout_s = body_timeout_s
-        self.in_flight = 0  # admitted generation requests (body read) until their last byte out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,11 +93,13 @@ class RequestGuard:
         if scope["path"] not in GENERATION_PATHS:
             await self.app(scope, replay, send)
             return
-        self.in_flight += 1
+        held = scope.setdefault("state", {})
+        held[HELD] = 1
+        self.slots.in_use += 1
         try:
             await self.app(scope, replay, send)
         finally:
-            self.in_flight -= 1
+            self.slots.in_use -= held[HELD]
 
     def _refusal(self, scope: Scope) -> Response | None:
         """A refusal on headers alone, or None."""
@@ -85,9 +116,9 @@ class RequestGuard:
 
     def _busy(self, scope: Scope) -> Response | None:
         """503 past the generation cap."""
-        if scope["path"] in GENERATION_PATHS and self.in_flight >= self.max_concurrent:
-            return error_response(f"server busy: {self.in_flight} generation requests in flight "
-                                  f"(--max-concurrent-requests {self.max_concurrent}); retry later", 503, "overloaded")
+        if scope["path"] in GENERATION_PATHS and self.slots.in_use >= self.slots.limit:
+            return error_response(f"server busy: {self.slots.in_use} generation sequences in flight "
+                                  f"(--max-concurrent-requests {self.slots.limit}); retry later", 503, "overloaded")
         return None
 
     def _too_large(self) -> str:

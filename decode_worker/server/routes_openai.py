@@ -70,7 +70,7 @@ async def completions(request: Request, engine: EngineDep) -> dict | StreamingRe
     body = await parse_body(request, CompletionRequest)
     engine.require_ready()
     inputs = _completion_inputs(body, engine)
-    await admit(engine, inputs)
+    await admit(engine, request, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
         return sse_response(_completion_chunks(engine, inputs, body, created, model))
@@ -136,7 +136,7 @@ async def chat(request: Request, engine: EngineDep) -> dict | StreamingResponse:
     per_choice = bootstrap_per_choice(body, 1, body.n)
     inputs = choice_inputs(_chat_input(body, engine, prompt, per_choice, plan), body.n, body,
                            0 if per_choice else None, engine.config)
-    await admit(engine, inputs)
+    await admit(engine, request, inputs)
     created, model = int(time.time()), engine.model_name
     if body.stream:
         return sse_response(_chat_chunks(engine, inputs, body, plan, created, model))

@@ -60,7 +60,7 @@ async def generate(request: Request, engine: EngineDep) -> dict | list[dict] | S
     batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
     inputs = _inputs(body, batched, engine)
     batched = batched or len(inputs) > 1  # n > 1 answers a list, as SGLang does
-    await admit(engine, inputs)
+    await admit(engine, request, inputs)
     text_of = token_text(engine) if body.return_text_in_logprobs else None
     if body.stream:
         return sse_response(_chunks(engine, inputs, batched, body.return_text_in_logprobs))

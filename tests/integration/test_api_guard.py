@@ -163,6 +163,26 @@ def test_past_the_concurrency_cap_generation_answers_503_with_retry_after(guarde
     client.close()
 
 
+def test_every_sequence_of_a_batch_or_of_n_takes_a_slot(guarded):
+    """A batch of prompts, or n samples, once ran any number of sequences on one slot."""
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        for path, body in (("/generate", {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 2}}),
+                           ("/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2})):
+            assert_error(client.post(guarded.url + path, json=body), 400, "fans out to 3 sequences")
+        pair = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}
+        assert client.post(guarded.url + "/generate", json=pair).status_code == 200
+        resp = client.send(client.build_request("POST", guarded.url + "/generate", json={
+            "text": "busy", "stream": True, "sampling_params": LONG}), stream=True)
+        try:
+            lines = resp.iter_lines()
+            next(lines)  # one slot taken until the stream ends
+            refused = client.post(guarded.url + "/generate", json=pair)
+            assert_error(refused, 503, "sequence slots taken")
+            assert refused.headers["retry-after"] == "1"
+        finally:
+            resp.close()
+
+
 def test_many_clients_at_once_get_200_or_503_never_a_hang(guarded):
     statuses: list[int] = []
 
