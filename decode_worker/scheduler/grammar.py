@@ -184,33 +184,29 @@ def too_large(kind: str, text: str) -> str | None:
     schema's objects and arrays; a regex's groups). Checked before it queues, in time linear in its length."""
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         return f"the {kind} is longer than {MAX_GRAMMAR_BYTES} bytes"
-    depth = _json_depth(text) if kind == "json_schema" else _group_depth(text) if kind == "regex" else 0
-    if depth > MAX_GRAMMAR_NESTING:
+    nesting = _NESTING.get(kind)
+    if nesting is not None and _deepest(text, *nesting) > MAX_GRAMMAR_NESTING:
         return f"the {kind} nests deeper than {MAX_GRAMMAR_NESTING} levels"
     return None
 
 
-def _json_depth(text: str) -> int:
-    """The deepest nesting of objects and arrays in JSON ``text`` (brackets outside strings; no recursion)."""
-    depth = deepest = 0
-    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', text):
-        bracket = token[0]
-        if bracket in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif bracket in "]}":
-            depth -= 1
-    return deepest
+# What nests in each kind: a pattern whose matches are its tokens, and the tokens that open and close a level. A
+# JSON schema's objects and arrays (strings matched whole, so brackets inside them are no tokens of their own); a
+# regex's groups (escapes and character classes matched whole, so their parentheses are not groups).
+_NESTING = {
+    "json_schema": (re.compile(r'"(?:[^"\\]|\\.)*"|[\[{\]}]'), frozenset("[{"), frozenset("]}")),
+    "regex": (re.compile(r"\\.|\[(?:[^\]\\]|\\.)*\]|[()]"), frozenset("("), frozenset(")")),
+}
 
 
-def _group_depth(text: str) -> int:
-    """The deepest nesting of groups in a regular expression (parentheses not escaped nor in a class)."""
+def _deepest(text: str, tokens: re.Pattern, opens: frozenset[str], closes: frozenset[str]) -> int:
+    """The deepest nesting in ``text``, read as a flat run of tokens (no recursion)."""
     depth = deepest = 0
-    for token in re.finditer(r"\\.|\[(?:[^\]\\]|\\.)*\]|[()]", text):
-        if token[0] == "(":
+    for token in tokens.finditer(text):
+        if token[0] in opens:
             depth += 1
             deepest = max(deepest, depth)
-        elif token[0] == ")":
+        elif token[0] in closes:
             depth -= 1
     return deepest
 

@@ -56,16 +56,15 @@ HELD = "decode_worker_slots"  # in a request's scope state: the slots it holds
 def fan_out(request: Request, sequences: int) -> None:
     """Take the slots of a request's further sequences: 400 if it could never fit, 503 while too many are taken."""
     slots: Slots = request.app.state.slots
-    more = sequences - 1
+    more = sequences - 1  # its first took a slot at the door
     if sequences > slots.limit:
         raise RequestError(f"the request fans out to {sequences} sequences (prompts x n), more than "
                            f"--max-concurrent-requests ({slots.limit})")
-    if more > 0 and slots.in_use + more > slots.limit:
+    if slots.in_use + more > slots.limit:
         raise RequestError(f"server busy: {slots.in_use} of {slots.limit} sequence slots taken and this request "
                            f"needs {sequences}; retry later", 503, "overloaded")
-    if more > 0:
-        slots.in_use += more
-        request.scope["state"][HELD] += more
+    slots.in_use += more
+    request.scope["state"][HELD] += more
 
 
 class RequestGuard:

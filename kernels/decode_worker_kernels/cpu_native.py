@@ -54,12 +54,12 @@ def _private(directory: Path) -> bool:
         path = Path(os.path.abspath(directory))
         for at in [path, *path.parents]:
             st = at.lstat()
-            mine = st.st_uid == os.getuid()
-            if stat.S_ISLNK(st.st_mode) or not (mine or st.st_uid == 0):
+            owners = (os.getuid(),) if at == path else (os.getuid(), 0)
+            if stat.S_ISLNK(st.st_mode) or st.st_uid not in owners:
                 return False
             if st.st_mode & 0o022 and (at == path or not st.st_mode & stat.S_ISVTX):
                 return False
-        return path.lstat().st_uid == os.getuid()
+        return True
     except OSError:
         return False
 
