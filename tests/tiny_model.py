@@ -30,8 +30,10 @@ def save_tokenizer(path: Path) -> int:
     return len(tok)
 
 
-def save_tiny_chat_model(path: Path, max_context: int = 2048) -> Path:
-    vocab = save_tokenizer(path)
+def save_tiny_chat_model(path: Path, max_context: int = 2048, vocab_size: int = 0) -> Path:
+    """``vocab_size``: pad the model's vocabulary past the tokenizer's (as real checkpoints do), for tests whose
+    cost grows with the vocabulary; ids past the tokenizer's have no text."""
+    vocab = max(save_tokenizer(path), vocab_size)
     save_random_checkpoint(path, "llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_context,
                            tie_word_embeddings=True)

@@ -57,10 +57,15 @@ class LlamaModel(nn.Module):
         self.head_matmul = None  # the vocabulary matmul's packed CPU form, set by the loader
         self.layer_calls: list[LayerCalls] | None = None
 
-    @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``. On CPU the residual stream
-        is float64 whatever the layers' dtype (each layer's output is added to it inside the next norm)."""
+        """One step, writing the new K/V into ``pool``; float32 logits ``[rows, vocab]``."""
+        return self.logits(self.hidden(fb, pool))
+
+    @torch.inference_mode()
+    def hidden(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """One step, writing the new K/V into ``pool``; the final norm's output at ``fb.logits_indices``. On CPU the
+        residual stream is float64 whatever the layers' dtype (each layer's output is added to it inside the next
+        norm)."""
         h = self.embed_tokens(fb.input_ids)
         h = h.double() if h.device.type == "cpu" else h
         rope, plan = self.rotary.tables(fb.positions), plan_step(pool, fb, self.config.num_heads)  # for every layer
@@ -72,7 +77,11 @@ class LlamaModel(nn.Module):
             o = attend(pool, i, fb, plan, q, self.scale)
             delta = calls.mlp(calls.post_norm(h, calls.o_proj(o.reshape(o.shape[0], -1))))
         rows = fb.logits_indices
-        h = self.norm(h[rows], delta[rows])
+        return self.norm(h[rows], delta[rows])
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of final hidden rows ``h``."""
         if self.head_matmul is not None:
             return self.head_matmul(h).float()
         return _logits(h, self.head_weight()).float()

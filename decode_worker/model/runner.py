@@ -53,6 +53,13 @@ class ModelRunner:
             return self.graphs.replay(fb)
         return self.model(fb, self.pool)
 
+    def hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """An extend's final hidden rows, for ``logits`` to turn into logits a slice at a time."""
+        return self.model.hidden(fb, self.pool)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
     def forward_sample(self, fb: ForwardBatch, params: list[SamplingParams], generators: list[torch.Generator | None],
                        shaping: list[Shaping | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
         """Forward and sample; Python lists out."""

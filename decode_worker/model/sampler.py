@@ -13,7 +13,6 @@ from decode_worker.model.native import native_kernels
 from decode_worker_kernels import cpu_sampling
 
 NUCLEUS_CANDIDATES = 256  # CPU top-p sorts only this many best tokens per row when they already pass top_p
-SCORE_ROWS = 512  # prompt rows per log-softmax pass: bounds the float32 copy a long prompt's scoring makes
 
 
 @dataclass
@@ -87,24 +86,15 @@ def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 def score(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Each target's log-probability and each row's ``k`` best."""
     target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-    parts: list[torch.Tensor] = []
-    for at in range(0, len(targets), SCORE_ROWS):
-        logprobs = torch.log_softmax(logits[at: at + SCORE_ROWS].float(), dim=-1)
-        parts.append(logprobs.gather(1, target[at: at + SCORE_ROWS, None])[:, 0].double())
-        if k:
-            best = logprobs.topk(k, dim=-1)
-            parts += [best.indices.flatten().double(), best.values.flatten().double()]
-    values = torch.cat(parts).tolist() if parts else []
-    chosen: list[float] = []
-    top: list[list[tuple[int, float]]] = []
-    at = 0
-    for start in range(0, len(targets), SCORE_ROWS):
-        n = min(SCORE_ROWS, len(targets) - start)
-        chosen += values[at: at + n]
-        ids, lps = values[at + n: at + n + n * k], values[at + n + n * k: at + n + 2 * n * k]
-        top += [[(int(ids[r * k + j]), lps[r * k + j]) for j in range(k)] for r in range(n)]
-        at += n + 2 * n * k
-    return chosen, top
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    parts = [logprobs.gather(1, target[:, None])[:, 0].double()]
+    if k:
+        best = logprobs.topk(k, dim=-1)
+        parts += [best.indices.flatten().double(), best.values.flatten().double()]
+    values = torch.cat(parts).tolist()
+    n = len(targets)
+    ids, lps = values[n: n + n * k], values[n + n * k:]
+    return values[:n], [[(int(ids[r * k + j]), lps[r * k + j]) for j in range(k)] for r in range(n)]
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

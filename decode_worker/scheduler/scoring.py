@@ -12,6 +12,10 @@ from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import SampleResult, Shaping, TokenMask, sample, score
 from decode_worker.scheduler.req import Req
 
+SCORE_ROWS = 256
+"""Prompt positions whose logits exist at once: a prompt scored from position 0 holds ``SCORE_ROWS`` x vocabulary
+float32 logits (and their log-softmax) at a time, whatever its length, instead of its whole length's."""
+
 
 def computed_before(req: Req) -> int | None:
     """The last prompt position whose KV may come from the cache; None unless ``req`` scores now."""
@@ -40,13 +44,16 @@ class ScoredExtend:
     def forward_sample(self, runner: ModelRunner, fb: ForwardBatch, params: list[SamplingParams],
                        generators: list[torch.Generator | None], shaping: list[Shaping | None],
                        mask: TokenMask | None = None) -> SampleResult:
-        logits = runner.forward(fb)
-        result = sample(logits[self.sample_rows], params, generators, shaping, mask)
+        hidden = runner.hidden(fb)
+        result = sample(runner.logits(hidden[self.sample_rows]), params, generators, shaping, mask)
         result.prompt = [None] * len(params)
         for s in self.scored:
-            chosen, top = score(logits[s.first_row: s.first_row + len(s.targets)], s.targets, s.top)
-            if s.start == 0:
-                chosen, top = [None, *chosen], [[], *top]
+            chosen, top = ([None], [[]]) if s.start == 0 else ([], [])
+            for at in range(0, len(s.targets), SCORE_ROWS):
+                rows = hidden[s.first_row + at: s.first_row + min(at + SCORE_ROWS, len(s.targets))]
+                part_chosen, part_top = score(runner.logits(rows), s.targets[at: at + SCORE_ROWS], s.top)
+                chosen += part_chosen
+                top += part_top
             result.prompt[s.index] = PromptLogprobs(s.start, chosen, top)
         return result
 

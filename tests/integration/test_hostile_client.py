@@ -2,6 +2,7 @@
 client may cost"): each case was reproduced against a real worker before its fix."""
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,33 @@ def test_a_grammar_whose_work_grows_with_its_output_ends_and_the_neighbour_finis
     flat = httpx.post(worker.url + "/generate", timeout=300,
                       json={"text": "xyxy", "sampling_params": {"regex": "[xy]*z", **ask}})
     assert flat.status_code == 200 and flat.json()["meta_info"]["finish_reason"]["type"] != "abort", flat.text
+
+
+def peak_rss_bytes(proc: Proc) -> int:
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError("no VmHWM")
+
+
+def test_scoring_a_long_prompt_holds_a_slice_of_its_logits_not_all(tmp_path):
+    """A 4,000-token prompt scored from position 0 built every position's float32 logits at once: 4,000 x 65,536
+    x 4 B = 1 GiB at peak here (1.1 GiB with SmolLM2's vocabulary). Now a slice at a time."""
+    model = save_tiny_chat_model(tmp_path / "wide", max_context=8192, vocab_size=65536)
+    (tmp_path / "logs").mkdir()
+    proc = start_worker("scoring", tmp_path / "logs", "colocated", "--model-path", str(model))
+    try:
+        ids = [random.Random(4).randrange(256) for _ in range(4000)]
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0}}
+        short = {**body, "input_ids": ids[:300]}
+        with httpx.Client(base_url=proc.url, timeout=120) as client:
+            assert client.post("/generate", json=short).status_code == 200  # allocator pools settle
+            before = peak_rss_bytes(proc)
+            r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        scored = r.json()["meta_info"]["input_token_logprobs"]
+        assert len(scored) == 4000 and scored[0][0] is None and all(lp <= 0 for lp, *_ in scored[1:])
+        assert peak_rss_bytes(proc) - before < 256 << 20, "scoring held the whole prompt's logits at once"
+    finally:
+        proc.stop()

@@ -11,6 +11,7 @@ from decode_worker.cache.pool import PageAllocator
 from decode_worker.core.request import GenerateInput, TokenEvent
 from decode_worker.core.sampling import SamplingParams
 from decode_worker.engine.llm import LLM
+from decode_worker.scheduler import scoring
 
 TOL = 1e-5  # logits come back in float32; a wrong row is off by far more
 
@@ -100,4 +101,17 @@ def test_zero_new_tokens_scores_the_prompt_and_generates_nothing(llm):
     assert len(events) == 1 and events[0].token_ids == []
     assert events[0].finish_reason == {"type": "length", "length": 0}
     check(llm, ids, events, 0, 0)
+    llm.cache.flush()
+
+
+def test_prompts_longer_than_a_scoring_slice_are_scored_whole(llm, monkeypatch):
+    """Scoring turns ``SCORE_ROWS`` hidden rows into logits at a time: two batched prompts that cross several slices,
+    at offsets that do not line up with them, get every position."""
+    monkeypatch.setattr(scoring, "SCORE_ROWS", 16)
+    prompts, starts = [prompt(21, 2 * 16 + 7), prompt(22, 16 + 3)], [0, 5]
+    params = SamplingParams(max_new_tokens=1, temperature=0, top_logprobs=2)
+    events = run(llm, [GenerateInput(f"long-{i}", ids, params, True, logprob_start=s)
+                       for i, (ids, s) in enumerate(zip(prompts, starts))])
+    for ids, s, got in zip(prompts, starts, events):
+        check(llm, ids, got, s, 2)
     llm.cache.flush()
