@@ -37,6 +37,9 @@ POLL_S = 0.0005
 """Polling period of a read the post did not finish (a transport that completes asynchronously)."""
 RETIRE_S = 5.0
 """How long a read that could not be cancelled may take to end before the read fails as ``unstoppable``."""
+MAP_RETRY_S = (1.0, 60.0)
+"""First and longest wait before a same-host peer whose pool could not be had (its socket busy, say) is asked
+again; the wait doubles in between. Its pages are read over NIXL meanwhile."""
 SHARED_MEMORY_ENV = "DECODE_WORKER_PD_SHARED_MEMORY"
 """``off`` (or false, 0, no): neither map a peer's pool nor share ours; every read goes over NIXL. Default ``on``."""
 
@@ -68,7 +71,9 @@ class Peer:
     pool: PoolDescriptor
     dlist: object  # nixl_prepped_dlist_handle
     mapped: MappedRegion | None = None  # its pool, mapped read-only here: pages are copied without NIXL
-    mapping: asyncio.Task | None = None  # asking for its pool (``add_peer`` under a loop)
+    mapping: asyncio.Task | None = None  # the first ask for its pool (``add_peer`` under a loop): reads wait for it
+    map_asks: int = 0  # asks for its pool so far
+    next_ask: asyncio.TimerHandle | None = None  # the next, after one failed
     connected: bool = False  # a NIXL read reached it, so notifications to it go out at once
 
 
@@ -141,6 +146,8 @@ class KVAgent:
         """Forget a replaced peer (a restarted prefill's old agent)."""
         peer = self._peers.pop(name, None)
         if peer is not None:
+            if peer.next_ask is not None:
+                peer.next_ask.cancel()
             self._unmap(peer)
             peer.dlist.release()
             self.agent.remove_remote_agent(name)
@@ -153,22 +160,41 @@ class KVAgent:
         if region.host != boot_id():
             logger.info("peer %s shares its KV pool on another host: it is read over NIXL", peer.name)
             return
-        peer.mapping = ask_for_pool(region, peer.pool.num_pages, peer.pool.page_bytes,
-                                    lambda mapped, why: self._attach(peer, mapped, why))
+        if self._peers.get(peer.name) is not peer:  # dropped while it waited to ask again
+            return
+        peer.next_ask = None
+        asking = ask_for_pool(region, peer.pool.num_pages, peer.pool.page_bytes,
+                              lambda mapped, why: self._attach(peer, mapped, why))
+        if peer.map_asks == 0:
+            peer.mapping = asking
+        peer.map_asks += 1
 
     def _attach(self, peer: Peer, mapped: MappedRegion | None, why: str) -> None:
-        """Give the peer its mapping (dropped when it exits), or log why not."""
-        if mapped is None:
-            logger.warning("peer %s shares its KV pool on this host, but it is read over NIXL: %s", peer.name, why)
-        elif self._peers.get(peer.name) is not peer:  # dropped while its pool was asked for
-            mapped.close()
+        """Give the peer its mapping (dropped when it exits), or log why not and ask again later."""
+        if self._peers.get(peer.name) is not peer:  # dropped while its pool was asked for
+            if mapped is not None:
+                mapped.close()
+        elif mapped is None:
+            self._ask_again(peer, why)
         else:
             peer.mapped = mapped
-            logger.info("peer %s is on this host: its KV pages are copied from its shared pool", peer.name)
+            after = f" (ask {peer.map_asks})" if peer.map_asks > 1 else ""
+            logger.info("peer %s is on this host: its KV pages are copied from its shared pool%s", peer.name, after)
             try:
                 asyncio.get_running_loop().add_reader(mapped.pidfd, self._unmap, peer)
             except RuntimeError:  # no loop here: reads check for the peer's exit themselves
                 pass
+
+    def _ask_again(self, peer: Peer, why: str) -> None:
+        """A failed ask (a flood of local connections on its socket, say) is retried with backoff under a loop."""
+        wait = min(MAP_RETRY_S[0] * 2 ** (peer.map_asks - 1), MAP_RETRY_S[1])
+        logger.log(logging.WARNING if peer.map_asks == 1 else logging.DEBUG,
+                   "peer %s shares its KV pool on this host, but it is read over NIXL: %s; asking again in %.1f s",
+                   peer.name, why, wait)
+        try:
+            peer.next_ask = asyncio.get_running_loop().call_later(wait, self._map, peer)
+        except RuntimeError:  # no loop (a blocking ``add_peer``): NIXL it stays
+            pass
 
     async def _connect(self, room: int, peer: Peer, deadline: float) -> bool:
         """Before mapped copies, one NIXL read of page 0: UCX connects lazily, and release notifications need it."""

@@ -36,7 +36,11 @@ _ASKER = started_pool(2, "kv-pool-ask")  # not queued behind others' work
 REQUEST_S = 1.0
 """How long the owner waits for a connected peer to send its key before it hangs up."""
 MAX_CLIENTS = 16
-"""Connections the owner serves at once; more are closed at once (each costs a socket until ``REQUEST_S``)."""
+"""Connections of our uid the owner holds at once; one more hangs up on the longest silent (a peer sends its key
+as soon as it connects), so a flood of idle connections cannot keep a peer out. Another uid's are refused at
+accept and never held."""
+REFUSED_LOG_S = 10.0
+CONNECT_RETRY_S = 0.002
 _HEX = {"socket": re.compile(r"[0-9a-f]{32}"), "key": re.compile(r"[0-9a-f]{64}")}
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -100,13 +104,14 @@ class PoolServer:
         try:
             socket_id = secrets.token_hex(16)
             self._listener.bind(socket_name(os.getpid(), socket_id))
-            self._listener.listen(MAX_CLIENTS)
+            self._listener.listen(socket.SOMAXCONN)  # a full backlog fails a peer's connect at once (EAGAIN)
             self._listener.setblocking(False)
         except BaseException:
             self._listener.close()
             os.close(self._fd)
             raise
         self.region = SharedRegion(boot_id(), os.getpid(), socket_id, shared.nbytes, self._key)
+        self._warned_at = float("-inf")
         self._wake, self._woken = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name="kv-pool-share", daemon=True)
         self._thread.start()
@@ -158,9 +163,14 @@ class PoolServer:
             except OSError as e:  # out of descriptors, say: the peer reads over NIXL
                 logger.warning("pool share: cannot accept a connection: %r", e)
                 return
-            if len(clients) >= MAX_CLIENTS:
+            pid, uid = peer_credentials(conn)
+            if uid != os.getuid():
+                _drain(conn)  # closing with unread bytes would reset the connection before it reads why
+                self._refuse(conn, pid, f"uid {uid} is not ours")
                 conn.close()
                 continue
+            if len(clients) >= MAX_CLIENTS:
+                self._hang_up(selector, clients, next(iter(clients)))  # the oldest: dicts keep insertion order
             conn.setblocking(False)
             clients[conn] = (time.monotonic() + REQUEST_S, b"")
             selector.register(conn, selectors.EVENT_READ)
@@ -185,23 +195,40 @@ class PoolServer:
         self._hang_up(selector, clients, conn)
 
     def _answer(self, conn: socket.socket, key: bytes) -> None:
-        """The file for our uid with the key, else a refusal."""
-        pid, uid = peer_credentials(conn)
-        if uid != os.getuid():
-            why = f"uid {uid} is not ours"
-        elif not hmac.compare_digest(key, self._key.encode()):
-            why = "wrong key"
-        else:
+        """The file for the key (the connection is our uid's: ``_accept``), else a refusal."""
+        if hmac.compare_digest(key, self._key.encode()):
             socket.send_fds(conn, [b"ok"], [self._fd])
-            return
-        logger.warning("pool share: refused process %d: %s", pid, why)
-        conn.send(f"refused: {why}".encode())
+        else:
+            self._refuse(conn, peer_credentials(conn)[0], "wrong key")
+
+    def _refuse(self, conn: socket.socket, pid: int, why: str) -> None:
+        """Say why, without waiting; a warning at most every ``REFUSED_LOG_S`` (a flood is one line, not many)."""
+        now = time.monotonic()
+        if now - self._warned_at >= REFUSED_LOG_S:
+            self._warned_at = now
+            logger.warning("pool share: refused process %d: %s (further refusals within %.0f s are logged at debug)",
+                           pid, why, REFUSED_LOG_S)
+        else:
+            logger.debug("pool share: refused process %d: %s", pid, why)
+        try:
+            conn.send(f"refused: {why}".encode(), socket.MSG_DONTWAIT)
+        except OSError:  # it left, or its buffer is full: it is refused all the same
+            pass
 
     @staticmethod
     def _hang_up(selector: selectors.BaseSelector, clients: dict, conn: socket.socket) -> None:
         selector.unregister(conn)
         del clients[conn]
         conn.close()
+
+
+def _drain(conn: socket.socket) -> None:
+    """Read what ``conn`` has sent so far, without waiting."""
+    try:
+        while conn.recv(4096, socket.MSG_DONTWAIT):
+            pass
+    except OSError:
+        pass
 
 
 def serve_pool(shared: SharedFile) -> PoolServer | None:
@@ -283,12 +310,25 @@ def receive_pool(region: SharedRegion, num_pages: int, page_bytes: int, timeout_
     return None, why
 
 
+def _connect(sock: socket.socket, name: bytes, deadline: float) -> None:
+    """Connect by ``deadline``: a Unix socket whose backlog is full refuses at once (EAGAIN), so try again until
+    then (its owner drains the backlog as fast as it can accept)."""
+    while True:
+        sock.settimeout(max(0.0, deadline - time.monotonic()))
+        try:
+            sock.connect(name)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            time.sleep(CONNECT_RETRY_S)
+
+
 def _fetch(region: SharedRegion, uid: int, deadline: float) -> tuple[int, str]:
     """The owner's fd, sent for the key: ``(fd, "")`` or ``(-1, why not)``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         try:
-            sock.settimeout(max(0.0, deadline - time.monotonic()))
-            sock.connect(socket_name(region.pid, region.socket))
+            _connect(sock, socket_name(region.pid, region.socket), deadline)
             pid, their_uid = peer_credentials(sock)
             if pid != region.pid:
                 return -1, f"its pool socket is served by process {pid}, not {region.pid}"

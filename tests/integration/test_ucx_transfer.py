@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 
 from decode_worker.cache.pool import KVLayout, KVPool
 from decode_worker.core.shared_memory import boot_id
+from decode_worker.transfer import agent as agent_module
 from decode_worker.transfer import pool_share
 from decode_worker.transfer.agent import SHARED_MEMORY_ENV, KVAgent, TransferError
 from decode_worker.transfer.descriptors import PoolDescriptor
@@ -336,6 +338,65 @@ def test_a_peer_whose_pool_socket_stalls_is_read_over_nixl_and_the_loop_keeps_ru
         agent.close()
         peer.close()
         listener.close()
+
+
+class LateRelay:
+    """A pool socket of this process that is not there at first (the peer's socket busy or gone), then relays the
+    real peer's pool: what a decode worker meets when a flood of local connections kept its first ask out."""
+
+    def __init__(self, real: SharedRegion):
+        self.real, self.socket_id = real, "6b" * 16
+        self.region = dataclasses.replace(real, pid=os.getpid(), socket=self.socket_id)
+        self.listener: socket.socket | None = None
+
+    def open(self) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_name(os.getpid(), self.socket_id))
+        self.listener.listen()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(128)
+            fd, why = pool_share._fetch(self.real, os.getuid(), time.monotonic() + 5)
+            assert fd >= 0, why
+            socket.send_fds(conn, [b"ok"], [fd])
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+
+
+def test_a_peer_whose_first_ask_failed_is_asked_again_and_mapped(monkeypatch, caplog):
+    """Decode asked for a same-host pool once: a first ask that failed (sixteen idle connections on the peer's
+    socket did it) left that peer on NIXL until a restart. Now it is asked again with backoff and mapped."""
+    monkeypatch.setattr(agent_module, "MAP_RETRY_S", (0.2, 1.0))
+    peer = PeerProcess(PAGES, "mapped")
+    relay = LateRelay(peer.pool.shared)
+    pool = KVPool(LAYOUT, PAGES)
+    agent = KVAgent(pool.buffer, "decode")
+    try:
+        async def go() -> None:
+            remote = agent.add_peer(peer.metadata, dataclasses.replace(peer.pool, shared=relay.region))
+            await agent.read(1, remote, [4], [9], time.monotonic() + 10)  # over NIXL: the socket is not there
+            assert remote.mapped is None
+            relay.open()
+            give_up = time.monotonic() + 10
+            while remote.mapped is None and time.monotonic() < give_up:
+                await asyncio.sleep(0.05)
+            assert remote.mapped is not None, "the pool was never asked for again"
+            await agent.read(2, remote, [5, 6], [200, 3], time.monotonic() + 10)
+        with caplog.at_level(logging.INFO, logger="decode_worker.transfer.agent"):
+            asyncio.run(go())
+        assert "cannot be reached" in caplog.text and "asking again in 0.2 s" in caplog.text
+        assert "copied from its shared pool (ask 2)" in caplog.text or "(ask 3)" in caplog.text
+        assert same_bytes(pool.buffer[[4, 5, 6]], seeded(PAGES).buffer[[9, 200, 3]])
+    finally:
+        agent.close()
+        peer.close()
+        relay.close()
 
 
 def test_a_peer_dropped_or_left_behind_while_its_pool_is_asked_for_keeps_nothing():
