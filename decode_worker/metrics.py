@@ -78,6 +78,8 @@ class Metrics:
         self.kv_received_bytes = Counter(PREFIX + "kv_received_bytes", "KV bytes received from prefill", registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
+        self.step_failures = Counter(PREFIX + "step_failures", "Batch forwards that raised, by kind (each is re-run in "
+                                     "halves: only the requests that make it raise fail)", ["kind"], registry=r)
         self.retractions = Counter(PREFIX + "retractions", "Running requests retracted when L1 ran out", registry=r)
         self.kv_events_dropped = Counter(PREFIX + "kv_events_dropped", "KV events lost to a full publisher queue "
                                          "(subscribers then see a sequence gap and an AllBlocksCleared)", registry=r)

@@ -120,9 +120,10 @@ def prompt_margins(model_path: Path) -> list[float]:
 
 # ---- peers and proxies written for the tests ---------------------------------------------------------------------
 
-def serve_http(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int, str]:
-    """A threaded HTTP server on a free loopback port, serving from a daemon thread: (server, port, url)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serve_http(handler: type[BaseHTTPRequestHandler], port: int = 0) -> tuple[ThreadingHTTPServer, int, str]:
+    """A threaded HTTP server on loopback ``port`` (0: a free one), serving from a daemon thread: (server, port,
+    url)."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -190,7 +191,7 @@ class CorruptingPrefill:
     bad field would get as far as reading real KV and running a step. ``corrupt`` maps prefill's answer (a dict)
     to what is sent instead: a dict, or raw bytes (a truncated body). Other POSTs are passed through."""
 
-    def __init__(self, upstream: str, corrupt: Callable[[dict], dict | bytes] = lambda d: d):
+    def __init__(self, upstream: str, corrupt: Callable[[dict], dict | bytes] = lambda d: d, port: int = 0):
         self.upstream, self.corrupt, self.name = upstream, corrupt, "corrupting-prefill"
         self.answered = 0
         front = self
@@ -210,7 +211,7 @@ class CorruptingPrefill:
                 front.answered += 1
                 reply(self, r.status_code, data)
 
-        self._server, self.port, self.url = serve_http(Handler)
+        self._server, self.port, self.url = serve_http(Handler, port)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -349,7 +350,8 @@ class Faults:
     random point up to that long after the hold); its prompts share no cached prefix, so the pages are the
     hand-off's alone; ``hold_delay_s`` makes a computed prompt's KV reach the hand-off that much later, as a long
     queue would. ``loop_probe``: log every stall of the event loop over ``LOOP_LOG_MS`` (``loop_stalls``
-    reads them back)."""
+    reads them back). ``poison_rid``: any step whose batch holds a request with that rid and at least
+    ``poison_after`` output tokens raises, as a kernel error on one row would."""
 
     stall_p: float = 0.0
     stall_s: float = 0.0
@@ -360,6 +362,8 @@ class Faults:
     expire_every_s: float = 1.0
     hold_delay_s: float = 0.0
     loop_probe: bool = False
+    poison_rid: str = ""
+    poison_after: int = 0
     seed: int = 0
 
     def env(self) -> dict[str, str]:
@@ -367,9 +371,9 @@ class Faults:
 
 
 def start_faulty(name: str, log_dir: Path, role: str, faults: Faults, *flags: str,
-                 env: dict[str, str] | None = None) -> Proc:
-    """A real worker of ``role`` with ``faults`` installed in its process."""
-    port = free_port()
+                 env: dict[str, str] | None = None, port: int = 0) -> Proc:
+    """A real worker of ``role`` with ``faults`` installed in its process; ``port`` 0: a free one."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "tests.faultkit", "serve", "--role", role, "--port", str(port),
            "--max-total-tokens", "8192", *flags]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -471,6 +475,22 @@ def _install(faults: Faults) -> None:
         _delay_holds(faults.hold_delay_s)
     if faults.loop_probe:
         _probe_loop()
+    if faults.poison_rid:
+        _poison(faults.poison_rid, faults.poison_after)
+
+
+def _poison(rid: str, after: int) -> None:
+    """Every forward of a batch holding request ``rid`` past ``after`` output tokens raises."""
+    from decode_worker.scheduler.scheduler import Scheduler
+
+    forward = Scheduler._forward
+
+    def poisoned(self, batch):
+        if any(r.rid == rid and len(r.seq.output_ids) >= after for r in batch.reqs):
+            raise RuntimeError(f"faultkit: poisoned row {rid}")
+        return forward(self, batch)
+
+    Scheduler._forward = poisoned
 
 
 def _delay_holds(delay_s: float) -> None:
@@ -617,9 +637,11 @@ def _probe_loop() -> None:
     Engine.start = start_with_probe
 
 
-def start_victim_prefill(name: str, log_dir: Path, die_at: int, *flags: str, env: dict[str, str] | None = None) -> Proc:
-    """A real prefill worker that kills itself mid-way through its ``die_at``-th KV push (0: never)."""
-    port = free_port()
+def start_victim_prefill(name: str, log_dir: Path, die_at: int, *flags: str, env: dict[str, str] | None = None,
+                         port: int = 0) -> Proc:
+    """A real prefill worker that kills itself mid-way through its ``die_at``-th KV push (0: never); ``port`` 0: a
+    free one."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "tests.faultkit", "die-at-transfer", str(die_at), "serve", "--role", "prefill",
            "--port", str(port), "--max-total-tokens", "8192", *flags]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

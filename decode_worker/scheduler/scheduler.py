@@ -163,11 +163,32 @@ class Scheduler:
 
     async def _step(self) -> bool:
         """One step; True when it ran a batch."""
-        loop, worked = asyncio.get_running_loop(), False
+        worked = False
         for batch in self.schedule():
-            self.postprocess(batch, await loop.run_in_executor(self._forward_thread, self._forward, batch))
+            await self._run_batch(batch)
             worked = True
         return worked
+
+    async def _run_batch(self, batch: Batch) -> None:
+        """Run and apply ``batch``. A forward that raises (a row no check caught, a kernel error) is re-run in halves
+        until the requests whose rows make it raise stand alone: those fail with 500, the others go on. A re-run
+        writes the same KV again; a seeded request in a failed batch may draw other samples."""
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._forward_thread, self._forward, batch)
+        except Exception:
+            self.metrics.step_failures.labels(batch.kind.value).inc()
+            if len(batch.reqs) == 1:
+                req = batch.reqs[0]
+                log.exception("the %s step of request %s failed", batch.kind.value, req.rid)
+                self._fail(req, RequestError("internal error in this request's step", 500, "internal_error"))
+                return
+            half = len(batch.reqs) // 2
+            for part in (batch.reqs[:half], batch.reqs[half:]):
+                rebuild = extend_batch if batch.kind is BatchKind.EXTEND else decode_batch
+                await self._run_batch(rebuild(self.runner, part, self.eos_token_ids))
+            return
+        self.postprocess(batch, result)
 
     def _forward(self, batch: Batch) -> SampleResult:
         reqs, started = batch.reqs, time.monotonic()

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.faultkit import Faults, start_faulty
 from tests.servers import Proc, start_worker
 from tests.tiny_model import save_tiny_chat_model
 
@@ -167,5 +168,34 @@ def test_scoring_a_long_prompt_holds_a_slice_of_its_logits_not_all(tmp_path):
         scored = r.json()["meta_info"]["input_token_logprobs"]
         assert len(scored) == 4000 and scored[0][0] is None and all(lp <= 0 for lp, *_ in scored[1:])
         assert peak_rss_bytes(proc) - before < 256 << 20, "scoring held the whole prompt's logits at once"
+    finally:
+        proc.stop()
+
+
+def test_a_step_that_raises_for_one_row_fails_that_request_alone(tmp_path):
+    """Defence in depth: a step that raises (a bad row no check caught, a kernel error) failed every request in
+    the batch with 500. The batch is now re-run in halves: the request at fault fails alone, its neighbours in the
+    same decode batch finish with the tokens they get alone."""
+    model = save_tiny_chat_model(tmp_path / "model")
+    (tmp_path / "logs").mkdir()
+    proc = start_faulty("poisoned", tmp_path / "logs", "colocated", Faults(poison_rid="poison", poison_after=3),
+                        "--model-path", str(model))
+    try:
+        params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        texts = [f"neighbour {i}" for i in range(3)]
+        alone = [httpx.post(proc.url + "/generate", json={"text": t, "sampling_params": params}, timeout=60)
+                 .json()["output_ids"] for t in texts]
+        bodies = [{"text": t, "sampling_params": params, "rid": f"n{i}"} for i, t in enumerate(texts)]
+        bodies.insert(1, {"text": "poisoned", "sampling_params": params, "rid": "poison"})
+        runs = [in_background(lambda b=b: httpx.post(proc.url + "/generate", json=b, timeout=60)) for b in bodies]
+        answers = []
+        for thread, out in runs:
+            thread.join()
+            answers.append(out["value"])
+        poisoned = answers.pop(1)
+        assert poisoned.status_code == 500 and "this request's step" in poisoned.json()["error"]["message"]
+        assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+        assert [a.json()["output_ids"] for a in answers] == alone
+        assert proc.metric("decode_worker_step_failures_total", kind="decode") >= 2, "the poisoned row ran alone"
     finally:
         proc.stop()
