@@ -66,11 +66,19 @@ class ServerConfig(BaseSettings):
     pd_token: str = _opt("shared secret of a prefill/decode pair, sent in the handshake's X-PD-Token header", "")
     prefill_hosts: str = _opt("decode role: the prefill workers this worker may call (and send its PD token to), as "
                               "host[:port],... with IP addresses or DNS names (a name also allows every address it "
-                              "resolves to); a request naming another bootstrap_host gets 400. Unset: loopback only; "
-                              "'*': any host (refused with --pd-token)", "")
+                              "resolves to); a request naming another bootstrap_host gets 400. With --pd-token or "
+                              "--api-key every entry needs its port (they are sent on). Unset: loopback only, any "
+                              "port, and only without those secrets; '*': any host, without them", "")
     api_key: str = _opt("require 'Authorization: Bearer <key>' on every route but /health, /health_generate and "
                         "/metrics (prefer the environment variable: flags show in ps)", "")
     max_request_body_bytes: int = _opt("largest request body accepted; a larger one gets 413", 32 * 1024 * 1024)
+    grammar_max_bytes: int = _opt("longest grammar a request may send (json_schema, regex, ebnf, a tool's "
+                                  "schema); a longer one gets 400 before it compiles", 256 << 10)
+    grammar_max_nesting: int = _opt("deepest nesting of a request's JSON schema (objects and arrays) or regex "
+                                    "(groups); a deeper one gets 400 before it compiles", 64)
+    grammar_step_budget_ms: float = _opt("what a request's grammar may add to the step all requests share (its "
+                                         "mask and its accept); over it 4 tokens in a row, the request ends with "
+                                         "an abort that says so", 10.0)
     max_concurrent_requests: int = _opt("most sequences in flight on the generation routes (each prompt of a batch "
                                         "and each of n counts); past it they get 503 with Retry-After", 1024)
     request_body_timeout_s: float = _opt("a request's whole body must arrive within this many seconds of its "
@@ -144,6 +152,9 @@ class ServerConfig(BaseSettings):
         self._check_prefill_hosts()
         if self.max_request_body_bytes < 1 or self.max_concurrent_requests < 1:
             raise ConfigError("--max-request-body-bytes and --max-concurrent-requests must be at least 1")
+        if min(self.grammar_max_bytes, self.grammar_max_nesting) < 1 or not self.grammar_step_budget_ms > 0:
+            raise ConfigError("--grammar-max-bytes and --grammar-max-nesting must be at least 1 and "
+                              "--grammar-step-budget-ms positive")
         if self.request_body_timeout_s <= 0:
             raise ConfigError("--request-body-timeout-s must be positive")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
@@ -167,9 +178,17 @@ class ServerConfig(BaseSettings):
             entries = parse_prefill_hosts(self.prefill_hosts)
         except ValueError as e:
             raise ConfigError(f"--prefill-hosts: {e}") from None
-        if entries is None and self.pd_token:
-            raise ConfigError("--prefill-hosts '*' with a --pd-token would send the token to any host a request "
-                              "names in bootstrap_host: list the prefill workers instead")
+        secrets = " and ".join(_flag(name) for name in ("pd_token", "api_key") if getattr(self, name))
+        if self.role != "decode" or not secrets:
+            return
+        if entries is None:
+            raise ConfigError(f"--prefill-hosts '*' with {secrets} would send it to any host a request names in "
+                              "bootstrap_host: list the prefill workers instead")
+        portless = [str(e) for e in entries if e.port is None]
+        if not entries or portless:
+            which = f"{', '.join(portless)} names no port" if portless else "it is unset: loopback, any port"
+            raise ConfigError(f"{secrets} go only to prefill workers listed in --prefill-hosts as host:port ({which}): "
+                              "on a shared host any user may listen on a loopback port")
 
     @property
     def kv_events(self) -> dict[str, Any] | None:

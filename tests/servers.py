@@ -114,11 +114,37 @@ def start_all(starters: list[Callable[[], Proc]]) -> list[Proc]:
 
 def start_workers(specs: dict[str, tuple[str, tuple[str, ...], dict[str, str] | None]], log_dir: Path,
                   ports: dict[str, int] | None = None) -> dict[str, Proc]:
-    """``{name: (role, flags, env)}`` started in parallel, by name; ``ports`` fixes some workers' ports ahead."""
-    ports = ports or {}
-    procs = start_all([lambda n=n, r=r, f=f, e=e: start_worker(n, log_dir, r, *f, env=e, port=ports.get(n))
+    """``{name: (role, flags, env)}`` started in parallel, by name; ``ports`` fixes some workers' ports ahead. A decode
+    worker with a secret and no ``--prefill-hosts`` is given this call's prefill workers, as ``up`` does."""
+    ports = {name: free_port() for name in specs} | (ports or {})
+    prefills = [ports[name] for name, (role, _, _) in specs.items() if role == "prefill"]
+    specs = {name: (role, flags, with_prefill_hosts(role, flags, env, prefills))
+             for name, (role, flags, env) in specs.items()}
+    procs = start_all([lambda n=n, r=r, f=f, e=e: start_worker(n, log_dir, r, *f, env=e, port=ports[n])
                        for n, (r, f, e) in specs.items()])
     return dict(zip(specs, procs))
+
+
+def prefill_hosts_env(*ports: int) -> dict[str, str]:
+    """A decode worker's ``--prefill-hosts`` (by environment) naming loopback ``ports``: where it may send secrets."""
+    return {"DECODE_WORKER_PREFILL_HOSTS": ",".join(f"127.0.0.1:{p}" for p in ports)}
+
+
+def port_of(proc) -> int:
+    return int(proc.url.rsplit(":", 1)[1])
+
+
+def with_prefill_hosts(role: str, flags: tuple[str, ...], env: dict[str, str] | None,
+                       prefill_ports: list[int]) -> dict[str, str] | None:
+    """``env`` plus ``DECODE_WORKER_PREFILL_HOSTS`` naming ``prefill_ports`` on loopback, for a decode worker that
+    sends a secret (its PD token or API key) and lists no prefill workers: such a worker refuses to start."""
+    merged = {**os.environ, **(env or {})}
+    secret = any(merged.get(f"DECODE_WORKER_{name}") for name in ("PD_TOKEN", "API_KEY")) or \
+        any(flag in flags for flag in ("--pd-token", "--api-key"))
+    listed = merged.get("DECODE_WORKER_PREFILL_HOSTS") or "--prefill-hosts" in flags
+    if role != "decode" or not secret or listed or not prefill_ports:
+        return env
+    return {**(env or {}), **prefill_hosts_env(*prefill_ports)}
 
 
 def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:

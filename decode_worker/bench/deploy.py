@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode_worker.bench.modes import Mode
-from decode_worker.launch import Deployment, free_port, router_command
+from decode_worker.launch import Deployment, free_port, host_port, router_command
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ def worker_cmd(spec: DeploySpec, role: str, port: int, l1_tokens: int) -> list[s
     return cmd + (["--model-path", spec.model_path] if spec.model_path else [])
 
 
+def decode_cmd(spec: DeploySpec, port: int, prefill_port: int) -> list[str]:
+    """A decode worker that bootstraps from, and sends its PD token and API key only to, the prefill at
+    ``prefill_port``."""
+    return worker_cmd(spec, "decode", port, spec.l1_tokens) + [
+        "--bootstrap-port", str(prefill_port), "--prefill-hosts", host_port(spec.host, prefill_port)]
+
+
 @contextmanager
 def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
     """Router, prefill and decode for ``mode``, stopped on exit."""
@@ -60,8 +67,7 @@ def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
     dep = Deployment(log_dir)
     try:
         dep.start("prefill", worker_cmd(spec, "prefill", prefill_port, spec.prefill_l1_tokens), env)
-        dep.start("decode", worker_cmd(spec, "decode", decode_port, spec.l1_tokens)
-                  + ["--bootstrap-port", str(prefill_port)]
+        dep.start("decode", decode_cmd(spec, decode_port, prefill_port)
                   + mode.decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy), env)
         for name, port in (("prefill", prefill_port), ("decode", decode_port)):
             dep.wait_healthy(name, url(port) + "/health", spec.startup_timeout_s)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from decode_worker.bench.deploy import DeploySpec, worker_cmd
+from decode_worker.bench.deploy import DeploySpec, decode_cmd, worker_cmd
 from decode_worker.bench.modes import MODES
 from decode_worker.launch import Deployment, free_port, redis_command, redis_ok, router_command
 
@@ -69,8 +69,7 @@ def fleet(spec: DeploySpec, pods: int, shared_l3: bool, name: str) -> Iterator[F
         prefill_port, decode_ports = free_port(), [free_port() for _ in range(pods)]
         dep.start("prefill", worker_cmd(spec, "prefill", prefill_port, spec.prefill_l1_tokens), env)
         for i, port in enumerate(decode_ports):
-            dep.start(f"decode-{i}", worker_cmd(spec, "decode", port, spec.l1_tokens)
-                      + ["--bootstrap-port", str(prefill_port)] + _decode_flags(spec, redis), env)
+            dep.start(f"decode-{i}", decode_cmd(spec, port, prefill_port) + _decode_flags(spec, redis), env)
         for name_, port in [("prefill", prefill_port), *((f"decode-{i}", p) for i, p in enumerate(decode_ports))]:
             dep.wait_healthy(name_, f"http://{spec.host}:{port}/health", spec.startup_timeout_s)
         yield Fleet(spec, dep, env, prefill_port, decode_ports, redis)

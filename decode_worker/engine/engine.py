@@ -25,7 +25,7 @@ from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
 from decode_worker.model.runner import ModelRunner
-from decode_worker.scheduler.grammar import CompiledGrammar, GrammarCompiler
+from decode_worker.scheduler.grammar import CompiledGrammar, GrammarCompiler, GrammarLimits
 from decode_worker.scheduler.roles import COLOCATED
 from decode_worker.scheduler.scheduler import Scheduler
 
@@ -100,7 +100,8 @@ class Engine:
         await loop.run_in_executor(None, self.load_model)
         cfg = self.config
         tok = self.tokenizer
-        self.grammars = GrammarCompiler(tok, self.runner.config.vocab_size)
+        self.grammars = GrammarCompiler(tok, self.runner.config.vocab_size, GrammarLimits(
+            cfg.grammar_max_bytes, cfg.grammar_max_nesting, cfg.grammar_step_budget_ms / 1000))
         self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics, self.runner.config.vocab_size)
         self.scheduler = Scheduler(
             self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,

@@ -25,19 +25,23 @@ if TYPE_CHECKING:
 CACHE_ENTRIES = 256  # compiled grammars (and refusals) kept, least recently used dropped first
 CACHE_BYTES = 64 << 20  # and at most this much grammar text behind them
 COMPILE_TIMEOUT_S = 30.0  # how long a request waits for its grammar; the compile goes on and is cached for a retry
-# What one request may ask the compiler for (docs/security.md): a grammar's text, its nesting (a JSON schema's
-# objects and arrays, a regex's groups), and compiles waiting for the one compile thread.
-MAX_GRAMMAR_BYTES = 256 << 10
-MAX_GRAMMAR_NESTING = 64
-MAX_QUEUED_COMPILES = 8
+MAX_QUEUED_COMPILES = 8  # compiles waiting for the one compile thread
 REFUSAL_CHARS = 500  # of a compiler's message kept for a refusal: it may quote the grammar
-# A grammar's work inside the step every request shares (its mask and its accept) is budgeted: a request whose
-# grammar costs more than STEP_BUDGET_S in SLOW_STEPS steps in a row ends with an abort that says so. Ambiguous
-# shapes (`((x|y)*)*z`) grow that work with every token; a single slow step (a collection, a first fill) is no sign.
-STEP_BUDGET_S = 0.010
-SLOW_STEPS = 4
+SLOW_STEPS = 4  # steps in a row over the step budget that end a request (one slow step is no sign)
 WHITESPACE_RUN = 16  # most whitespace characters a JSON schema's output may put between two elements
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one request may ask of grammars (docs/security.md; the ``--grammar-*`` flags): a grammar's text, its
+    nesting (a JSON schema's objects and arrays, a regex's groups), and its work in the step every request shares
+    (its mask and its accept): over ``step_budget_s`` in ``SLOW_STEPS`` steps in a row, the request ends with an
+    abort that says so. Ambiguous shapes (``((x|y)*)*z``) grow that work with every token."""
+
+    max_bytes: int = 256 << 10
+    max_nesting: int = 64
+    step_budget_s: float = 0.010
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class CompiledGrammar:
     kind: str
     text: str
     compiled: Any  # xgrammar.CompiledGrammar
+    step_budget_s: float = GrammarLimits.step_budget_s  # what each row of it may cost a step
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,10 @@ class GrammarCompiler:
     """Compiles grammars off the loop, caching results by (kind, text digest), refusals included; bounded in
     entries and in bytes, with a bounded queue of compiles, and what a request may ask checked before it queues."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_entries: int = CACHE_ENTRIES,
-                 cache_bytes: int = CACHE_BYTES):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: GrammarLimits = GrammarLimits(),
+                 cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES):
         self.tokenizer = tokenizer
+        self.limits = limits
         self.vocab_size = vocab_size  # the logits' width; tokens past the tokenizer's are never allowed
         self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
         self._cache: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
@@ -115,7 +121,7 @@ class GrammarCompiler:
     def _enter(self, params: SamplingParams) -> tuple[tuple[str, bytes], _Entry]:
         """The cache entry for ``params``' grammar, counted as awaited; a compile queued for it if there is none."""
         kind, text = params.grammar
-        if refused := too_large(kind, text):
+        if refused := too_large(kind, text, self.limits):
             raise RequestError(f"{params.grammar_name}: {refused}")
         key = (kind, hashlib.sha256(text.encode()).digest())
         with self._lock:
@@ -167,7 +173,7 @@ class GrammarCompiler:
             return Refusal(f"cannot compile the {kind}: {_NOISE.sub('', str(e)).strip()[:REFUSAL_CHARS]}")
         if not _allows_any(compiled, self.vocab_size):  # e.g. root ::= root, or {"anyOf": []}
             return Refusal(f"the {kind} matches no output at all")
-        return CompiledGrammar(kind, text, compiled)
+        return CompiledGrammar(kind, text, compiled, self.limits.step_budget_s)
 
     def _compiler(self) -> Any:
         if self._xgr_compiler is None:
@@ -179,14 +185,14 @@ class GrammarCompiler:
         return self._xgr_compiler
 
 
-def too_large(kind: str, text: str) -> str | None:
+def too_large(kind: str, text: str, limits: GrammarLimits) -> str | None:
     """Why a grammar is more than a request may ask the compiler for, or None: its bytes, or its nesting (a JSON
     schema's objects and arrays; a regex's groups). Checked before it queues, in time linear in its length."""
-    if len(text.encode()) > MAX_GRAMMAR_BYTES:
-        return f"the {kind} is longer than {MAX_GRAMMAR_BYTES} bytes"
+    if len(text.encode()) > limits.max_bytes:
+        return f"the {kind} is longer than {limits.max_bytes} bytes (--grammar-max-bytes)"
     nesting = _NESTING.get(kind)
-    if nesting is not None and _deepest(text, *nesting) > MAX_GRAMMAR_NESTING:
-        return f"the {kind} nests deeper than {MAX_GRAMMAR_NESTING} levels"
+    if nesting is not None and _deepest(text, *nesting) > limits.max_nesting:
+        return f"the {kind} nests deeper than {limits.max_nesting} levels (--grammar-max-nesting)"
     return None
 
 
@@ -219,8 +225,9 @@ class RowGrammar:
 
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.name = name  # the request field, for the dead-end message
+        self.budget_s = grammar.step_budget_s
         self.step_s = 0.0  # this step's work so far: its mask, then its accept
-        self.slow_steps = 0  # steps in a row over STEP_BUDGET_S
+        self.slow_steps = 0  # steps in a row over the budget
 
     def fill(self, bits: torch.Tensor, row: int) -> None:
         start = time.perf_counter()
@@ -233,7 +240,7 @@ class RowGrammar:
         start = time.perf_counter()
         accepted = self.matcher.accept_token(token)
         step_s, self.step_s = self.step_s + time.perf_counter() - start, 0.0
-        self.slow_steps = self.slow_steps + 1 if step_s > STEP_BUDGET_S else 0
+        self.slow_steps = self.slow_steps + 1 if step_s > self.budget_s else 0
         if not accepted:
             seq.finish_reason = {"type": "abort",
                                  "message": f"grammar dead end: token {token} is not allowed by {self.name}"}
@@ -241,7 +248,7 @@ class RowGrammar:
             seq.finish_reason = {"type": "stop", "matched": token}
         elif self.slow_steps >= SLOW_STEPS and seq.finish_reason is None:
             seq.finish_reason = {"type": "abort", "message": (
-                f"{self.name}: the grammar took over {STEP_BUDGET_S * 1000:g} ms a token for {SLOW_STEPS} tokens "
+                f"{self.name}: the grammar took over {self.budget_s * 1000:g} ms a token for {SLOW_STEPS} tokens "
                 "in a row, in the step other requests share; a grammar without nested repetition (such as "
                 "(a*)* or ((a|b)+)+) avoids that")}
 

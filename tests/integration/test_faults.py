@@ -6,8 +6,9 @@ the prefill that corrupts one field of its answers (a token outside the vocabula
 truncated body, ...), a redis-server L3 behind a proxy that can slow it past its deadline, and three decode
 workers (radix + hicache + Redis L3, one per write policy) whose L1 is small enough that load forces retraction.
 Apart from them, a prefill with a 2 s hold that overwrites a hand-off's pages the moment its hold ends (as a reuse
-would), and a decode whose KV copy thread stalls and whose reads end late, past that hold. A seeded schedule runs one fault per
-episode while router-like traffic flows (greedy, streaming and not, some clients leaving mid-way). After every
+would), and a decode whose KV copy thread stalls and whose reads end late, past that hold. One episode is a hostile client
+(grammars whose work grows, schemas at and past the nesting bound, a long prompt scored whole) beside the traffic.
+A seeded schedule runs one fault per episode while router-like traffic flows (greedy, streaming and not, some clients leaving mid-way). After every
 episode each decode still running must be healthy, idle with no locked page, with its pages adding up in every
 tier and /metrics agreeing with /server_info; every output seen (and a fixed probe set) must equal a no-cache
 reference token for token; and no request may fail except those whose prefill peer was killed or stalled, which
@@ -26,6 +27,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Iterator
@@ -70,7 +72,7 @@ from tests.faultkit import (
     wrong_outputs,
 )
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, start_all, start_worker
+from tests.servers import Proc, free_port, prefill_hosts_env, start_all, start_worker
 
 SEED = int(os.environ.get("FAULTS_SEED", "11"))
 ROUNDS = int(os.environ.get("FAULTS_ROUNDS", "3"))
@@ -90,7 +92,7 @@ STALLING = Faults(stall_p=0.35, stall_s=2.5, late_p=0.25, late_s=1.0, inline_byt
 REUSING = Faults(reuse_after_hold=True, expire_every_s=0.05)
 LOOP_STALL_LIMIT_MS = 100.0
 FAULTS = ("kill_prefill", "stalled_prefill", "redis_restart", "slow_store", "client_aborts", "pool_exhaustion",
-          "late_reads", "bad_answers")
+          "late_reads", "bad_answers", "hostile_client")
 
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (make system-deps)")
 
@@ -113,6 +115,7 @@ class Cluster:
     prefill: Proc
     victim: Proc | None
     victim_die_at: int  # the victim's KV push it dies in (0: it waits to be killed from outside)
+    victim_port: int  # every victim's: the decode workers send their token only to listed ports
     decodes: list[Proc]
     redis: RedisServer
     proxy: DelayProxy
@@ -153,21 +156,27 @@ def cluster(logs: Path, seed: int) -> Iterator[Cluster]:
     procs: list[Proc] = []
     c: Cluster | None = None
     die_at = random.Random(seed).randint(1, 3)
+    ports = {name: free_port() for name in ("prefill", "victim", "reuser", "front")}  # a restarted victim reuses its own
+    decode_env = {**TOKEN, **prefill_hosts_env(*ports.values(), *(s.port for s in stubs.values()))}
     try:
         t0 = time.monotonic()
         procs = start_all([
-            lambda: start_worker("prefill", logs, "prefill", "--kv-lease-s", str(LEASE_S), env=TOKEN),
-            lambda: start_victim_prefill("victim", logs, die_at, "--kv-lease-s", str(LEASE_S), env=TOKEN),
-            lambda: start_faulty("reuser", logs, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN),
+            lambda: start_worker("prefill", logs, "prefill", "--kv-lease-s", str(LEASE_S), env=TOKEN,
+                                 port=ports["prefill"]),
+            lambda: start_victim_prefill("victim", logs, die_at, "--kv-lease-s", str(LEASE_S), env=TOKEN,
+                                         port=ports["victim"]),
+            lambda: start_faulty("reuser", logs, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN,
+                                 port=ports["reuser"]),
             lambda: start_faulty("decode-stalling", logs, "decode", STALLING, "--disaggregation-decode-enable-radix-cache",
                                  "--handshake-timeout-s", str(HANDSHAKE_S), "--transfer-timeout-s", str(TRANSFER_S),
-                                 env=TOKEN),
-            *[lambda p=p: start_faulty(f"decode-{p}", logs, "decode", PROBED, *decode_flags(p, proxy.port), env=TOKEN)
+                                 env=decode_env),
+            *[lambda p=p: start_faulty(f"decode-{p}", logs, "decode", PROBED, *decode_flags(p, proxy.port),
+                                       env=decode_env)
               for p in POLICIES],
         ])
         t1 = time.monotonic()
-        front = CorruptingPrefill(procs[0].url)
-        c = Cluster(logs, procs[0], procs[1], die_at, procs[4:], redis, proxy, stubs, reference_from(procs[0]),
+        front = CorruptingPrefill(procs[0].url, port=ports["front"])
+        c = Cluster(logs, procs[0], procs[1], die_at, ports["victim"], procs[4:], redis, proxy, stubs, reference_from(procs[0]),
                     procs[2], procs[3], front)
         print(json.dumps({"start_s": round(t1 - t0, 1), "reference_s": round(time.monotonic() - t1, 1)}), flush=True)
         yield c
@@ -442,8 +451,68 @@ async def bad_answers(c: Cluster, rng: random.Random, scale: float) -> Episode:
     return ep
 
 
+HOSTILE = [  # (body fields, prompt) of what one client sends in ``hostile_client`` (docs/security.md)
+    ({"sampling_params": {"regex": "((x|y)*)*", "ignore_eos": True, "max_new_tokens": 150}},  # within L1_TOKENS
+     "Spell x and y:"),
+    ({"sampling_params": {"json_schema": '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000,
+                          "max_new_tokens": 8}}, "A deep list:"),
+    ({"sampling_params": {"json_schema": '{"type": "array", "items": ' * 60 + '{"type": "integer"}' + "}" * 60,
+                          "max_new_tokens": 64}}, "A list of lists:"),
+    ({"return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}},
+     "Score every word of this text. " * 24),  # ~170 tokens: what a decode's L1 (L1_TOKENS) takes
+]
+
+
+async def hostile_client(c: Cluster, rng: random.Random, scale: float) -> Episode:
+    """Traffic flows, quiet at first; then one client sends every decode (bootstrapped from the real prefill, as a
+    router would) a regex whose work grows with its output, a schema nested past the bound and one just inside it,
+    and a prompt as long as a decode's L1 takes, scored from position 0 (a long one: ``test_hostile_client.py``).
+    None of those gets a 500 or a 400 it should not, the traffic's outputs equal the reference (``verify``), and its
+    median latency while the client runs stays within 3x (+1 s) of before."""
+    window: dict[str, float] = {}
+    statuses: list[int] = []
+
+    async def attack() -> None:
+        await asyncio.sleep(3 * scale)
+        window["from"] = time.monotonic()
+        async with httpx.AsyncClient() as client:
+            statuses.extend(await asyncio.gather(*(hostile_request(client, d, Peer.of(c.prefill), fields, text)
+                                                   for d in c.live() for fields, text in HOSTILE)))
+        window["to"] = time.monotonic()
+
+    outcomes = await flow(c.mix(), c, rng.getrandbits(32), 10 * scale, attack())
+    ep = Episode("hostile_client", outcomes)
+    before = [o.latency for o in outcomes if o.status == 200 and o.started < window["from"]]
+    during = [o.latency for o in outcomes if o.status == 200 and window["from"] <= o.started <= window["to"]]
+    if statuses != [200, 400, 200, 200] * len(c.live()):  # only the schema past the bound is refused
+        ep.problems.append(f"hostile requests answered {statuses}")
+    if before and during and statistics.median(during) > 3 * statistics.median(before) + 1.0:
+        ep.problems.append(f"median latency {statistics.median(during):.2f} s while the hostile client ran, "
+                           f"{statistics.median(before):.2f} s before")
+    ep.figures.update(hostile_statuses=dict(Counter(statuses)), hostile_s=round(window["to"] - window["from"], 1),
+                      median_latency_before_s=round(statistics.median(before), 2) if before else None,
+                      median_latency_during_s=round(statistics.median(during), 2) if during else None)
+    return ep
+
+
+async def hostile_request(client: httpx.AsyncClient, decode: Proc, prefill: Peer, fields: dict, text: str) -> int:
+    """One request as a PD router sends it (the same body to prefill and decode); decode's status."""
+    body = {"text": text, **fields, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.port,
+            "bootstrap_room": random.getrandbits(63)}
+    prefill_call = asyncio.ensure_future(client.post(prefill.url + "/generate", json=body, timeout=120))
+    try:
+        status = (await client.post(decode.url + "/generate", json=body, timeout=120)).status_code
+    except httpx.HTTPError:
+        status = 0
+    try:
+        await prefill_call
+    except httpx.HTTPError:
+        pass
+    return status
+
+
 EPISODES = {f.__name__: f for f in (kill_prefill, stalled_prefill, redis_restart, slow_store, client_aborts,
-                                    pool_exhaustion, late_reads, bad_answers, shutdown)}
+                                    pool_exhaustion, late_reads, bad_answers, hostile_client, shutdown)}
 
 
 # ---- the schedule --------------------------------------------------------------------------------------------------
@@ -485,7 +554,7 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
         if name == "kill_prefill" and c.victim is None:  # a later kill round needs a fresh victim
             c.victim_die_at = rng.choice([0, rng.randint(1, 3)])
             c.victim = start_victim_prefill(f"victim-{i}", c.logs, c.victim_die_at, "--kv-lease-s", str(LEASE_S),
-                                            env=TOKEN)
+                                            env=TOKEN, port=c.victim_port)
         ep_seed = rng.getrandbits(32)
         t0 = time.monotonic()
         ep = asyncio.run(EPISODES[name](c, random.Random(ep_seed), scale))
@@ -535,11 +604,13 @@ def test_late_reads_never_serve_reused_pages(tmp_path, smollm2_path):
     reading from a prefill that overwrites a hand-off's pages the moment its 2 s hold ends. Every answer equals
     the cache-free reference (before the fix, a copy that ran after the hold answered 200 with the overwritten
     bytes), the late ones fail with 504 within their deadline, and neither side keeps a page."""
+    reuser_port = free_port()
     procs = start_all([
-        lambda: start_faulty("reuser", tmp_path, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN),
+        lambda: start_faulty("reuser", tmp_path, "prefill", REUSING, "--kv-lease-s", str(REUSE_HOLD_S), env=TOKEN,
+                             port=reuser_port),
         lambda: start_faulty("decode-stalling", tmp_path, "decode", STALLING, "--disaggregation-decode-enable-radix-cache",
                              "--handshake-timeout-s", str(HANDSHAKE_S), "--transfer-timeout-s", str(TRANSFER_S),
-                             env=TOKEN),
+                             env={**TOKEN, **prefill_hosts_env(reuser_port)}),
     ])
     try:
         reuser, stalling = procs

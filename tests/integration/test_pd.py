@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.faultkit import BAD_ANSWERS, CorruptingPrefill, Faults, start_faulty
-from tests.servers import pd_generate, start_worker, start_workers, wait_pages_free
+from tests.servers import free_port, pd_generate, port_of, prefill_hosts_env, start_worker, start_workers, wait_pages_free
 
 TOKEN = {"DECODE_WORKER_PD_TOKEN": "s3cret"}
 PROMPT = "A long shared system prompt about the history of Rome and its emperors, wars and roads. " * 6
@@ -27,14 +27,18 @@ def logs(tmp_path_factory):
     return tmp_path_factory.mktemp("pd-logs")
 
 
+PEERS = {name: free_port() for name in ("prefill", "badtoken", "page8", "silent", "busy", "victim", "patient", "front")}
+"""Every prefill the decode worker meets in this module, by port chosen ahead: it sends its token only to these."""
+
+
 @pytest.fixture(scope="module")
 def workers(logs, smollm2_path):
     procs = start_workers({
         "prefill": ("prefill", ("--kv-lease-s", "3"), TOKEN),
         "decode": ("decode", ("--disaggregation-decode-enable-radix-cache", "--handshake-timeout-s", "5",
-                              "--transfer-timeout-s", "5"), TOKEN),
+                              "--transfer-timeout-s", "5"), {**TOKEN, **prefill_hosts_env(*PEERS.values())}),
         "colocated": ("colocated", (), None),
-    }, logs)
+    }, logs, ports={"prefill": PEERS["prefill"]})
     yield procs
     for proc in procs.values():
         proc.stop()
@@ -95,7 +99,7 @@ def test_pd_output_equals_colocated_and_transfers_only_the_delta(prefill, decode
 def test_pd_over_nixl_when_mapping_is_off(logs, prefill, colocated):
     """The path between hosts, taken here by turning the same-host mapping off: same output, delta only."""
     decode = start_worker("decode-nixl", logs, "decode", "--disaggregation-decode-enable-radix-cache",
-                          env={**TOKEN, "DECODE_WORKER_PD_SHARED_MEMORY": "off"})
+                          env={**TOKEN, **prefill_hosts_env(port_of(prefill)), "DECODE_WORKER_PD_SHARED_MEMORY": "off"})
     try:
         text = PROMPT + "Question C: which roads lasted?"
         before = decode.metric("decode_worker_kv_received_tokens_total")
@@ -133,7 +137,8 @@ def assert_fails_cleanly(resp, decode, prefill, started: float, limit_s: float, 
 
 @pytest.mark.slow  # starts workers of its own (~12-16 s)
 def test_wrong_token(logs, prefill, decode):
-    other = start_worker("prefill-badtoken", logs, "prefill", env={"DECODE_WORKER_PD_TOKEN": "wrong"})
+    other = start_worker("prefill-badtoken", logs, "prefill", env={"DECODE_WORKER_PD_TOKEN": "wrong"},
+                         port=PEERS["badtoken"])
     try:
         t = time.monotonic()
         port = int(other.url.rsplit(":", 1)[1])
@@ -146,7 +151,7 @@ def test_wrong_token(logs, prefill, decode):
 
 @pytest.mark.slow  # starts workers of its own (~14 s); tests/unit/test_kv_layout.py checks the differences it reports
 def test_layout_mismatch(logs, prefill, decode):
-    other = start_worker("prefill-page8", logs, "prefill", "--page-size", "8", env=TOKEN)
+    other = start_worker("prefill-page8", logs, "prefill", "--page-size", "8", env=TOKEN, port=PEERS["page8"])
     try:
         t = time.monotonic()
         port = int(other.url.rsplit(":", 1)[1])
@@ -173,7 +178,7 @@ def test_digest_mismatch(prefill, decode):
 def test_prefill_never_answers(prefill, decode):
     """A bootstrap server that accepts connections and never replies: the handshake deadline fires."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", PEERS["silent"]))
     sock.listen(8)
     try:
         t = time.monotonic()
@@ -191,7 +196,7 @@ BUSY_S = 12.0  # how late a busy prefill's KV arrives: over twice decode's hands
 def test_a_prefill_busy_past_the_handshake_timeout_still_serves(logs, decode, colocated):
     """A long prefill queue is not a dead prefill: the handshake asks again while prefill answers 202, and the
     request is served, equal to colocated (before, it failed as a handshake timeout after 5 s)."""
-    busy = start_faulty("prefill-busy", logs, "prefill", Faults(hold_delay_s=BUSY_S), env=TOKEN)
+    busy = start_faulty("prefill-busy", logs, "prefill", Faults(hold_delay_s=BUSY_S), env=TOKEN, port=PEERS["busy"])
     try:
         body = {"text": "The capital of France is", "sampling_params": GREEDY}
         t = time.monotonic()
@@ -219,7 +224,7 @@ def test_prefill_without_the_room(prefill, decode):
 def test_prefill_killed_mid_request(logs, prefill, decode, colocated):
     """Prefill dies while decode waits on it or reads from it: the request fails cleanly, naming prefill, or, where
     the KV had landed before the kill, completes with the colocated answer."""
-    victim = start_worker("prefill-victim", logs, "prefill", "--kv-lease-s", "30", env=TOKEN)
+    victim = start_worker("prefill-victim", logs, "prefill", "--kv-lease-s", "30", env=TOKEN, port=PEERS["victim"])
     port = int(victim.url.rsplit(":", 1)[1])
     room = next(rooms)
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
@@ -245,7 +250,8 @@ def test_prefill_killed_mid_request(logs, prefill, decode, colocated):
 def test_decode_giving_up_before_the_answer_frees_prefill_at_once(logs, decode):
     """A decode request whose client leaves while its handshake waits for prefill closes the handshake; prefill
     then frees the room's KV as soon as it holds it, not when its 60 s lease ends."""
-    patient = start_worker("prefill-patient", logs, "prefill", "--kv-lease-s", "60", env=TOKEN)
+    patient = start_worker("prefill-patient", logs, "prefill", "--kv-lease-s", "60", env=TOKEN,
+                           port=PEERS["patient"])
     try:
         boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": int(patient.url.rsplit(":", 1)[1]),
                 "bootstrap_room": next(rooms)}
@@ -276,7 +282,7 @@ def test_a_bad_prefill_answer_fails_only_its_own_request(prefill, decode, coloca
     long_greedy = {**GREEDY, "max_new_tokens": 160}  # outlives the bad answers however fast decode runs
     want = httpx.post(colocated.url + "/generate", json={"text": text, "sampling_params": long_greedy},
                       timeout=120).json()["output_ids"]
-    front = CorruptingPrefill(prefill.url)
+    front = CorruptingPrefill(prefill.url, port=PEERS["front"])
     before = decode.metric("decode_worker_transfer_failures_total", default=0.0, reason="bad_answer")
     result: dict = {}
     good = threading.Thread(target=lambda: result.setdefault("good", pd_generate(

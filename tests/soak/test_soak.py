@@ -30,7 +30,7 @@ from tests.faultkit import (
     wrong_outputs,
 )
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
-from tests.servers import Proc, free_port, start_worker
+from tests.servers import Proc, free_port, port_of, prefill_hosts_env, start_worker
 
 MINUTES = float(os.environ.get("SOAK_MINUTES", "10"))
 # At 32 this machine served ~3 req/s with p99 ~17 s, inside the 30 s handshake deadline; twice as many clients
@@ -74,7 +74,7 @@ def test_soak(tmp_path, smollm2_path):
             "decode", tmp_path, "decode", "--dtype", "float32", "--max-total-tokens", "512", "--disaggregation-decode-enable-radix-cache",
             "--disaggregation-decode-enable-hicache", "--disaggregation-decode-hicache-write-policy", POLICY,
             "--disaggregation-decode-hicache-ratio", "2", "--hicache-storage-backend", "redis",
-            "--hicache-storage-url", redis.url, env=TOKEN)
+            "--hicache-storage-url", redis.url, env={**TOKEN, **prefill_hosts_env(port_of(prefill))})
         ref = reference_from(prefill)
         mix = Mix([decode], {Peer.of(prefill): 1.0}, concurrency=CONCURRENCY, max_new_tokens=(4, MAX_NEW_TOKENS))
         rss: list[float] = []

@@ -191,8 +191,26 @@ def test_prefill_hosts_flag_and_environment(monkeypatch):
 @pytest.mark.parametrize("argv,fragment", [
     (["--prefill-hosts", "p0:port"], "--prefill-hosts: 'p0:port' has no valid port"),
     (["--prefill-hosts", "http://p0"], "--prefill-hosts: 'http://p0' is not host[:port]"),
-    (["--prefill-hosts", "*", "--pd-token", "t"], "would send the token to any host"),
+    (["--role", "decode", "--prefill-hosts", "*", "--pd-token", "t"], "'*' with --pd-token would send it"),
+    (["--role", "decode", "--prefill-hosts", "*", "--api-key", "k"], "'*' with --api-key would send it"),
+    (["--role", "decode", "--pd-token", "t"], "as host:port (it is unset: loopback, any port)"),
+    (["--role", "decode", "--api-key", "k", "--prefill-hosts", "p0:30001,10.0.0.7"], "(10.0.0.7 names no port)"),
 ])
 def test_bad_prefill_hosts_are_refused(argv, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         parse(argv)
+
+
+@pytest.mark.parametrize("argv", [["--grammar-max-bytes", "0"], ["--grammar-max-nesting", "0"],
+                                  ["--grammar-step-budget-ms", "0"]])
+def test_grammar_limits_must_allow_something(argv):
+    with pytest.raises(ConfigError, match="--grammar-max-bytes and --grammar-max-nesting must be at least 1"):
+        parse(argv)
+
+
+def test_secrets_need_no_prefill_list_where_nothing_sends_them():
+    """Only a decode worker sends its PD token and API key onward; without a secret, loopback on any port stays the
+    default, for a quick local pair."""
+    assert parse(["--role", "prefill", "--pd-token", "t", "--api-key", "k"]).pd_token == "t"
+    assert parse(["--role", "decode"]).prefill_hosts == ""
+    assert parse(["--role", "decode", "--pd-token", "t", "--prefill-hosts", "127.0.0.1:30001"]).pd_token == "t"

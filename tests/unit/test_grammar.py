@@ -18,10 +18,10 @@ from decode_worker.core.sequence import Sequence
 from decode_worker.engine.llm import LLM
 from decode_worker.model.sampler import make_generator, sample
 from decode_worker.scheduler.grammar import (
-    MAX_GRAMMAR_BYTES,
     MAX_QUEUED_COMPILES,
     BatchMask,
     GrammarCompiler,
+    GrammarLimits,
     Refusal,
     RowGrammar,
     fill_mask,
@@ -169,7 +169,7 @@ def test_the_cache_is_bounded_by_the_bytes_of_grammar_behind_it(llm):
     ("json_schema", json.dumps({"enum": ["[" * 500]}), None),  # brackets inside strings do not nest
     ("regex", "(" * 100 + "a" + ")" * 100, "nests deeper than"),
     ("regex", r"\(" * 100 + "[(]" * 100, None),  # escaped and bracketed parentheses are no groups
-    ("ebnf", 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"', "longer than"),
+    ("ebnf", 'root ::= "' + "a" * GrammarLimits.max_bytes + '"', "longer than"),
 ])
 def test_size_and_nesting_are_checked_before_anything_compiles(llm, kind, text, says):
     compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
@@ -351,3 +351,15 @@ def test_rows_that_get_stuck_end_without_failing_the_batch(llm):
     for out in outs[:6]:
         assert (out.text, out.finish_reason["type"]) in {("a", "abort"), ("b", "stop")}, out
     assert len(outs[6].output_ids) == 5
+
+
+def test_the_limits_are_the_deployments_to_set(llm):
+    """``--grammar-max-nesting`` and ``--grammar-max-bytes`` move the bounds, and a refusal names the flag."""
+    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size, GrammarLimits(max_bytes=256, max_nesting=3))
+    three = '{"type": "array", "items": ' * 2 + "{}" + "}" * 2  # three objects deep
+    assert compiler.compile_now(SamplingParams(json_schema=three)).kind == "json_schema"
+    with pytest.raises(ValueError, match=r"nests deeper than 3 levels \(--grammar-max-nesting\)"):
+        compiler.compile_now(SamplingParams(json_schema='{"type": "array", "items": ' + three + "}"))
+    with pytest.raises(ValueError, match=r"longer than 256 bytes \(--grammar-max-bytes\)"):
+        compiler.compile_now(SamplingParams(regex="a" * 257))
+    compiler.close()
