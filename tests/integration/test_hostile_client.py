@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,18 +182,21 @@ def test_a_step_that_raises_for_one_row_fails_that_request_alone(tmp_path):
     proc = start_faulty("poisoned", tmp_path / "logs", "colocated", Faults(poison_rid="poison", poison_after=3),
                         "--model-path", str(model))
     try:
-        params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # they outlive the poisoned one
         texts = [f"neighbour {i}" for i in range(3)]
         alone = [httpx.post(proc.url + "/generate", json={"text": t, "sampling_params": params}, timeout=60)
                  .json()["output_ids"] for t in texts]
-        bodies = [{"text": t, "sampling_params": params, "rid": f"n{i}"} for i, t in enumerate(texts)]
-        bodies.insert(1, {"text": "poisoned", "sampling_params": params, "rid": "poison"})
-        runs = [in_background(lambda b=b: httpx.post(proc.url + "/generate", json=b, timeout=60)) for b in bodies]
+        runs = [in_background(lambda t=t: httpx.post(proc.url + "/generate", timeout=60, json={
+            "text": t, "sampling_params": params})) for t in texts]
+        give_up = time.monotonic() + 30
+        while proc.metric("decode_worker_running_requests") < 3 and time.monotonic() < give_up:
+            time.sleep(0.01)
+        poisoned = httpx.post(proc.url + "/generate", timeout=60, json={
+            "text": "poisoned", "sampling_params": params, "rid": "poison"})
         answers = []
         for thread, out in runs:
             thread.join()
             answers.append(out["value"])
-        poisoned = answers.pop(1)
         assert poisoned.status_code == 500 and "this request's step" in poisoned.json()["error"]["message"]
         assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
         assert [a.json()["output_ids"] for a in answers] == alone

@@ -136,7 +136,7 @@ def test_the_pd_token_goes_only_to_a_listed_host_and_port(tmp_path):
     flags = ("--model-path", str(model))
     with pytest.raises(RuntimeError, match=r"--pd-token and --api-key go only to prefill workers listed in "
                                            r"--prefill-hosts as host:port \(it is unset"):
-        start_worker("decode-unlisted", tmp_path / "logs", "decode", *flags, env=secrets)
+        start_worker("decode-unlisted", tmp_path / "logs", "decode", *flags, env=secrets).stop()  # stop if it ran
     listed = {**secrets, "DECODE_WORKER_PREFILL_HOSTS": f"127.0.0.1:{free_port()}"}
     decode = start_worker("decode-listed", tmp_path / "logs", "decode", *flags, env=listed)
     try:
