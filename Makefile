@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # (tests/conftest.py's scheduler).
 PYTEST_ARGS ?= -m "not slow" -n 2
 
-.PHONY: setup system-deps run generate test test-all test-latest lock mutation bench clean
+.PHONY: setup system-deps run generate test test-all test-latest test-interop lock mutation bench clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,8 @@ lock: $(UV)
 	$(LOCK) $(if $(UPGRADE),--upgrade) --extra test --extra bench -o locks/main.txt
 	$(LOCK) -c locks/main.txt -o locks/runtime.txt
 	$(LOCK) -c locks/main.txt --extra test --extra bench --extra eval -o locks/eval.txt
+	$(UV) pip compile --quiet --custom-compile-command "make lock" --no-deps --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_34 --generate-hashes locks/interop.in -o locks/interop.txt
 	@! grep -E '^(nvidia|cuda)-' locks/*.txt | grep -v "sys_platform == 'never'" \
 		|| { echo "a CUDA package entered the lock: add it to locks/overrides.txt"; exit 1; }
 
@@ -71,6 +73,20 @@ test: setup system-deps
 test-all: setup
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r locks/eval.txt
 	$(MAKE) test PYTEST_ARGS="-n 2"
+
+# Our side of SGLang's PD protocol against SGLang 0.5.18's own code, in a venv of its own (locks/interop.txt):
+# sglang's transfer modules without its full dependency set, torchvision a stub (tests/interop/stubs).
+INTEROP_VENV ?= .interop-venv
+$(INTEROP_VENV)/.installed: locks/interop.txt
+	rm -rf $(INTEROP_VENV)
+	python3 -m venv $(INTEROP_VENV)
+	$(INTEROP_VENV)/bin/python -m pip install --quiet --no-deps torch==2.13.0
+	$(INTEROP_VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r locks/interop.txt
+	touch $@
+
+test-interop: $(INTEROP_VENV)/.installed
+	DECODE_WORKER_INTEROP=1 PYTHONPATH=.:kernels:tests/interop/stubs $(INTEROP_VENV)/bin/python -m pytest \
+		--confcutdir=tests/interop -p no:cacheprovider tests/interop
 
 # Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.
 mutation: setup

@@ -13,6 +13,8 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from decode_worker.pd.sglang_wire import PROTOCOL_VERSION
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "locks"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -62,6 +64,15 @@ def test_no_cuda_runtime_in_the_locks():
         for line in lock.read_text().splitlines():
             if re.match(r"^(nvidia|cuda)-", line):
                 assert "sys_platform == 'never'" in line, f"{lock.name}: {line}"
+
+
+def test_the_interop_lock_holds_sglangs_pinned_release_and_every_pin_it_lists():
+    """locks/interop.txt is compiled without dependencies, so each pin is one locks/interop.in names, hashed, and
+    `make test-interop` installs it with --require-hashes."""
+    lines = (LOCKS / "interop.in").read_text().splitlines()
+    listed = {canonicalize_name(m[1]): m[2] for m in (re.match(r"^([\w.-]+)==(\S+)$", line) for line in lines) if m}
+    assert listed["sglang"] == PROTOCOL_VERSION and pins("interop.txt") == listed
+    assert re.search(r"pip install [^\n]*--no-deps --require-hashes -r locks/interop.txt", (ROOT / "Makefile").read_text())
 
 
 @pytest.mark.skipif(os.environ.get("DECODE_WORKER_UNLOCKED") == "1", reason="make test-latest: newest releases")

@@ -1,0 +1,122 @@
+"""SGLang 0.5.18's prefill-side sender in a process of its own (its threads never end): its bootstrap server,
+``NixlKVManager`` in prefill mode over per-layer K and V host buffers of seeded bytes, and one ``NixlKVSender`` per
+room, driven as SGLang's prefill scheduler drives them. Only the engine look-ups (parallel groups, the serving port)
+are answered here, as a prefill with attention TP 1 would. Reads one JSON command a line on stdin, answers on stdout.
+
+Run: python tests/interop/sglang_prefill.py  ->  {"boot_port": N}; then {"room", "pages", "aux_slot", "first_token"}
+lines, each answered {"sent": pages sent} or {"error": why}."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import types
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+ANSWERS = os.fdopen(os.dup(1), "w")  # the test reads these; whatever else prints to stdout goes to stderr
+os.dup2(2, 1)
+
+import numpy as np  # noqa: E402
+import requests  # noqa: E402
+import torch  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common import conn as common_conn  # noqa: E402
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer  # noqa: E402
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVSender  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers  # noqa: E402
+
+LAYERS, PAGE, HEADS, DIM = 3, 4, 2, 8  # tokens per page, KV heads, head dim
+DTYPE = torch.bfloat16
+PAGES, AUX_SLOTS, HIDDEN, SEED = 40, 8, 16, 3
+DEADLINE_S = 10.0
+
+
+def kv_buffers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V, ``[tokens, heads, dim]``, of seeded values: the test makes the same ones to compare."""
+    generator = torch.Generator().manual_seed(SEED)
+    shape = (PAGES * PAGE, HEADS, DIM)
+    k = [torch.randn(shape, generator=generator).to(DTYPE) for _ in range(LAYERS)]
+    v = [torch.randn(shape, generator=generator).to(DTYPE) for _ in range(LAYERS)]
+    return k, v
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_lookups() -> None:
+    parallel = types.SimpleNamespace(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0,
+                                     attn_dcp_size=1, attn_dcp_rank=0, enable_dp_attention=False, dp_size=1,
+                                     nnodes=1, enable_dsa_cache_layer_split=False, load_balance_method="round_robin")
+    common_conn.get_parallel = lambda: parallel
+    common_conn.get_serving = lambda: types.SimpleNamespace(port=1)
+    common_conn.get_attention_dp_size = lambda: 1
+    common_conn.get_attention_dp_rank = lambda: 0
+    common_conn.get_pp_group = lambda: None
+
+
+def manager(boot_port: int, k: list[torch.Tensor], v: list[torch.Tensor], meta: MetadataBuffers) -> NixlKVManager:
+    args = KVArgs()
+    args.engine_rank = args.pp_rank = args.system_dp_rank = args.gpu_id = 0
+    args.page_size, args.kv_cache_dtype_str = PAGE, "bfloat16"
+    buffers = k + v
+    args.kv_data_ptrs = [b.data_ptr() for b in buffers]
+    args.kv_data_lens = [b.nbytes for b in buffers]
+    args.kv_item_lens = [b[:PAGE].nbytes for b in buffers]
+    args.kv_layer_ids = list(range(LAYERS)) * 2
+    args.kv_data_mem_kinds = ["DRAM"] * len(buffers)
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
+    args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
+    args.is_hybrid_mla_backend = False
+    server_args = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=boot_port,
+                                        dist_init_addr=None, pp_size=1, tp_size=1)
+    return NixlKVManager(args, DisaggregationMode.PREFILL, server_args, is_mla_backend=False)
+
+
+def send(mgr: NixlKVManager, meta: MetadataBuffers, boot_port: int, command: dict) -> dict:
+    """What SGLang's prefill scheduler does for a room: wait for decode's request, drop the pages decode already
+    holds (its ``decode_prefix_len``), fill the aux slot, send, and wait for the transfer to end."""
+    room, slot = command["room"], command["aux_slot"]
+    sender = NixlKVSender(mgr, f"127.0.0.1:{boot_port}", room, [0], 0)
+    give_up = time.monotonic() + DEADLINE_S
+    while sender.poll() == KVPoll.Bootstrapping:
+        if time.monotonic() > give_up:
+            return {"error": "decode's request never came"}
+        time.sleep(0.005)
+    delta = command["pages"][sender.pop_decode_prefix_len() // PAGE:]
+    meta.output_ids[slot][0] = command["first_token"]
+    meta.bootstrap_room[slot][0] = room
+    sender.init(len(delta), slot)
+    sender.send(np.array(delta, dtype=np.int32))
+    while (state := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
+        if time.monotonic() > give_up:
+            return {"error": f"the transfer did not end: {state}"}
+        time.sleep(0.005)
+    return {"sent": delta} if state == KVPoll.Success else {"error": "the transfer failed"}
+
+
+def main() -> None:
+    engine_lookups()
+    boot_port = free_port()
+    CommonKVBootstrapServer("127.0.0.1", boot_port)
+    k, v = kv_buffers()
+    meta = MetadataBuffers(AUX_SLOTS, hidden_size=HIDDEN, hidden_states_dtype=DTYPE)
+    mgr = manager(boot_port, k, v, meta)
+    give_up = time.monotonic() + DEADLINE_S
+    while requests.get(f"http://127.0.0.1:{boot_port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                       "&target_tp_rank=-1&target_pp_rank=-1", timeout=5).status_code != 200:
+        if time.monotonic() > give_up:
+            sys.exit("the sender never registered with its bootstrap server")
+        time.sleep(0.05)
+    print(json.dumps({"boot_port": boot_port}), file=ANSWERS, flush=True)
+    for line in sys.stdin:
+        print(json.dumps(send(mgr, meta, boot_port, json.loads(line))), file=ANSWERS, flush=True)
+    os._exit(0)  # SGLang's transfer and bootstrap threads never end
+
+
+if __name__ == "__main__":
+    main()
