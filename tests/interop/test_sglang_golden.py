@@ -1,29 +1,24 @@
 """Our SGLang wire frames through SGLang 0.5.18's own parsers (``make test-interop``, which builds a venv with
-that release; in the project's venv these are skipped, as sglang is not installed there)."""
+that release; the project's venv, without sglang, does not collect them)."""
 from __future__ import annotations
 
-import os
 import struct
 from collections import defaultdict
 from types import MethodType, SimpleNamespace
 
 import pytest
-
-if os.environ.get("DECODE_WORKER_INTEROP") != "1":
-    pytest.importorskip("sglang", reason="SGLang's own code runs in the interop venv: make test-interop")
-
-import torch  # noqa: E402
-from sglang.srt.disaggregation.common.utils import pack_int_lists as sglang_pack_int_lists  # noqa: E402
-from sglang.srt.disaggregation.common.utils import unpack_list_of_buffers  # noqa: E402
-from sglang.srt.disaggregation.nixl.conn import (  # noqa: E402
+import torch
+from sglang.srt.disaggregation.common.utils import pack_int_lists as sglang_pack_int_lists
+from sglang.srt.disaggregation.common.utils import unpack_list_of_buffers
+from sglang.srt.disaggregation.nixl.conn import (
     KVArgsRegisterInfo,
     NixlKVManager,
     TransferInfo,
     TransferStatus,
 )
-from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
+from sglang.srt.disaggregation.utils import MetadataBuffers
 
-from decode_worker.pd.sglang_wire import (  # noqa: E402
+from decode_worker.pd.sglang_wire import (
     AuxLayout,
     Endpoint,
     Registration,

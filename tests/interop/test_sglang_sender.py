@@ -13,16 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
+import torch
+import zmq
+from nixl._api import nixl_agent, nixl_agent_config
 
-if os.environ.get("DECODE_WORKER_INTEROP") != "1":
-    pytest.importorskip("sglang", reason="SGLang's own code runs in the interop venv: make test-interop")
-
-import requests  # noqa: E402
-import torch  # noqa: E402
-import zmq  # noqa: E402
-from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
-
-from decode_worker.pd.sglang_wire import (  # noqa: E402
+from decode_worker.pd.sglang_wire import (
     AuxLayout,
     Endpoint,
     PrefillServerInfo,
@@ -32,7 +28,7 @@ from decode_worker.pd.sglang_wire import (  # noqa: E402
     TransferRequest,
     parse_notification,
 )
-from tests.interop.sglang_prefill import DEADLINE_S, DIM, DTYPE, HEADS, HIDDEN, LAYERS, PAGE, kv_buffers  # noqa: E402
+from tests.interop.sglang_prefill import DEADLINE_S, DIM, DTYPE, HEADS, HIDDEN, LAYERS, PAGE, kv_buffers
 
 HERE = Path(__file__).parent
 OUR_PAGES, AUX_SLOTS = 64, 8
@@ -130,7 +126,8 @@ def test_sglangs_sender_fills_our_pool_byte_for_byte(sender, decode, held):
     prompt_pages, ours = [7, 3, 20, 8, 1], [50, 2, 33, 9, 41]
     room, slot = 2**62 + held, 3
     before = decode.pool.clone()
-    decode.socket.send_multipart(TransferRequest(room, decode.me, ours[held:], slot, prefix_tokens=held * PAGE).frames())
+    request = TransferRequest(room, decode.me, ours[held:], slot, prefix_tokens=held * PAGE)
+    decode.socket.send_multipart(request.frames())
     proc.stdin.write(json.dumps({"room": room, "pages": prompt_pages, "aux_slot": 5, "first_token": 4242}) + "\n")
     proc.stdin.flush()
     answer = json.loads(proc.stdout.readline())
