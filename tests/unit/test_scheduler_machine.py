@@ -67,7 +67,7 @@ BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an un
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
             "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
             "failing step, a read running", "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
-            "constrained request retracted", "waited for a sharing prompt's extend")
+            "constrained request retracted", "waited for a sharing prompt's extend", "poisoned row, in a batch")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
 SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
 STOP = 0  # the constrained requests' stop token (the machine's requests ignore end-of-sequence otherwise)
@@ -418,6 +418,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         finally:
             del runner.forward_sample
 
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data())
+    def poisoned_row(self, data) -> None:
+        """A served step (``_step``, the event loop's) whose forward raises whenever one request is in the batch, as
+        a bad row would: the batch is re-run in halves, that request fails with 500 and every other goes on."""
+        rid = data.draw(st.sampled_from(self.live()))
+        forward = self.sched._forward
+        hit = []
+
+        def poisoned(batch):
+            if any(r.rid == rid for r in batch.reqs):
+                hit.append(len(batch.reqs))
+                raise RuntimeError(INJECTED)
+            return forward(batch)
+
+        self.allowed[rid].add(500)
+        self.sched._forward = poisoned
+        try:
+            self.loop.run_until_complete(self.sched._step())
+        finally:
+            del self.sched._forward
+            for _ in range(3):
+                self.loop.run_until_complete(asyncio.sleep(0))
+            self.collect()
+        if hit:
+            HITS["poisoned row, alone" if hit == [1] else "poisoned row, in a batch"] += 1
+            assert rid not in self.sched.requests, f"{rid}'s step raised and it is still live"
+
     @precondition(lambda self: self.open_reads() and self.failed_steps < 2)
     @rule()
     def failing_step_while_a_read_runs(self) -> None:
@@ -726,7 +754,7 @@ PLANTED = {
                                            "failed with 500|Exception is not set"),
     "a failed request's read is not waited for": (Scheduler, "_fail", _fail_without_waiting, "no longer owned"),
     "a page is handed to two requests": (Scheduler, "_grow", _grow_into_a_neighbours_page,
-                                         "owned twice|allocated != .* in tree"),
+                                         "owned twice|allocated != .* in tree|pages allocated but the tree holds"),
     "a request's prefix lock is never dropped": (HierarchicalCache, "release", _release_nothing,
                                                  "lock refs left|requests never ended|allocated != .* in tree"),
     "a request leaving the queue keeps its handshake": (Admission, "forget", _forget_nothing,
