@@ -42,6 +42,13 @@ class Proc:
         self.popen.kill()
         self.popen.wait()
 
+    def memory_bytes(self, field: str = "VmRSS") -> int:
+        """A ``/proc/<pid>/status`` memory figure of the process: ``VmRSS`` (resident now), ``VmHWM`` (its peak)."""
+        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise LookupError(f"{self.name} reports no {field}")
+
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 

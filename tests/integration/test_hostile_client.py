@@ -6,7 +6,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -46,13 +45,6 @@ def test_a_number_that_breaks_the_step_is_refused_and_costs_the_neighbour_nothin
     assert len(long["value"].json()["output_ids"]) == LONG["max_new_tokens"]
 
 
-def rss_bytes(proc: Proc) -> int:
-    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise LookupError("no VmRSS")
-
-
 def test_a_refused_grammar_sent_again_and_again_holds_no_memory(worker):
     """The cache re-raised one exception per refused grammar, each raise adding a frame that kept that request's
     grammar text alive: a repeated 200 KB regex grew the worker by its size every time."""
@@ -60,11 +52,11 @@ def test_a_refused_grammar_sent_again_and_again_holds_no_memory(worker):
     with httpx.Client(base_url=worker.url, timeout=60) as client:
         for _ in range(5):  # the cache entry and allocator pools settle
             assert client.post("/generate", json=body).status_code == 400
-        before = rss_bytes(worker)
+        before = worker.memory_bytes()
         for _ in range(60):
             r = client.post("/generate", json=body)
             assert r.status_code == 400 and "cannot compile the regex" in r.json()["error"]["message"], r.text
-    assert rss_bytes(worker) - before < 6 << 20, "60 refusals of a 200 KB regex held on to their texts"
+    assert worker.memory_bytes() - before < 6 << 20, "60 refusals of a 200 KB regex held on to their texts"
 
 
 def test_a_schema_nested_too_deep_is_refused_at_once_and_other_grammars_compile(worker):
@@ -143,13 +135,6 @@ def test_a_grammar_whose_work_grows_with_its_output_ends_and_the_neighbour_finis
     assert flat.status_code == 200 and flat.json()["meta_info"]["finish_reason"]["type"] != "abort", flat.text
 
 
-def peak_rss_bytes(proc: Proc) -> int:
-    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise LookupError("no VmHWM")
-
-
 def test_scoring_a_long_prompt_holds_a_slice_of_its_logits_not_all(tmp_path):
     """A 4,000-token prompt scored from position 0 built every position's float32 logits at once: 4,000 x 65,536
     x 4 B = 1 GiB at peak here (1.1 GiB with SmolLM2's vocabulary). Now a slice at a time."""
@@ -163,12 +148,12 @@ def test_scoring_a_long_prompt_holds_a_slice_of_its_logits_not_all(tmp_path):
         short = {**body, "input_ids": ids[:300]}
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             assert client.post("/generate", json=short).status_code == 200  # allocator pools settle
-            before = peak_rss_bytes(proc)
+            before = proc.memory_bytes("VmHWM")
             r = client.post("/generate", json=body)
         assert r.status_code == 200, r.text
         scored = r.json()["meta_info"]["input_token_logprobs"]
         assert len(scored) == 4000 and scored[0][0] is None and all(lp <= 0 for lp, *_ in scored[1:])
-        assert peak_rss_bytes(proc) - before < 256 << 20, "scoring held the whole prompt's logits at once"
+        assert proc.memory_bytes("VmHWM") - before < 256 << 20, "scoring held the whole prompt's logits at once"
     finally:
         proc.stop()
 

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -43,11 +42,8 @@ SAMPLE_S = 60.0  # how often the decode worker's RSS is sampled
 
 
 def rss_mb(proc: Proc) -> float:
-    """Resident memory of a worker process, from /proc."""
-    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise AssertionError(f"no VmRSS for {proc.name}")
+    """Resident memory of a worker process."""
+    return round(proc.memory_bytes() / (1 << 20), 1)
 
 
 async def sample_rss(proc: Proc, stop: asyncio.Event, into: list[float]) -> None:

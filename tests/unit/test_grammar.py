@@ -128,11 +128,17 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field_and_stays_refus
     compiler.close()
 
 
-def test_a_compile_past_its_deadline_is_a_503_and_a_retry_finds_it(llm):
+def gated_compiler(llm) -> tuple[GrammarCompiler, threading.Event]:
+    """A compiler whose compile thread waits for the returned event before each compile."""
     compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
     gate = threading.Event()
     inner = compiler._compile
     compiler._compile = lambda kind, text: gate.wait() and inner(kind, text)
+    return compiler, gate
+
+
+def test_a_compile_past_its_deadline_is_a_503_and_a_retry_finds_it(llm):
+    compiler, gate = gated_compiler(llm)
     params = SamplingParams(regex="a+", grammar_field="regex")
     with pytest.raises(RequestError) as e:
         asyncio.run(compiler.compile(params, timeout_s=0.05))
@@ -188,10 +194,7 @@ def test_size_and_nesting_are_checked_before_anything_compiles(llm, kind, text, 
 
 
 def test_compiles_queue_boundedly_and_one_nobody_awaits_is_dropped(llm):
-    compiler = GrammarCompiler(llm.tokenizer, llm.config.vocab_size)
-    gate = threading.Event()
-    inner = compiler._compile
-    compiler._compile = lambda kind, text: gate.wait() and inner(kind, text)
+    compiler, gate = gated_compiler(llm)
 
     async def waits(n: int, timeout_s: float):
         return await asyncio.gather(*(compiler.compile(SamplingParams(regex=f"a{{{i + 1}}}"), timeout_s=timeout_s)
