@@ -67,7 +67,7 @@ BRANCHES = ("retraction", "restore from L2", "L1 eviction", "admitted past an un
             "peer refused", "read landed", "read failed", "failing step", "failing step, a read in flight",
             "abort QUEUED", "abort TRANSFERRING", "abort RUNNING", "a peer's handshake started behind a stalled peer",
             "failing step, a read running", "scored prompt", "scored prompt after a cache hit", "grammar completed", "grammar dead end",
-            "constrained request retracted", "waited for a sharing prompt's extend", "poisoned row, in a batch")
+            "constrained request retracted", "waited for a sharing prompt's extend")
 PEERS = (1, 2)  # the bootstrap ports of the healthy peers
 SCORE_TOL = 1e-5  # prompt logprobs come back from float32 logits; KV from a wrong page is off by far more
 STOP = 0  # the constrained requests' stop token (the machine's requests ignore end-of-sequence otherwise)
