@@ -228,19 +228,28 @@ class RowGrammar:
         self.budget_s = grammar.step_budget_s
         self.step_s = 0.0  # this step's work so far: its mask, then its accept
         self.slow_steps = 0  # steps in a row over the budget
+        self._accepted: tuple[int, bool] | None = None  # the step's token, fed by the forward thread, not yet taken
 
     def fill(self, bits: torch.Tensor, row: int) -> None:
         start = time.perf_counter()
         self.matcher.fill_next_token_bitmask(bits, row)
         self.step_s += time.perf_counter() - start
 
-    def advance(self, seq: Sequence) -> None:
-        """Feed ``seq``'s newest token; finish ``seq`` at a dead end, the grammar's end, or past its budget."""
-        token = seq.output_ids[-1]
+    def accept(self, token: int) -> None:
+        """Feed ``token`` to the matcher, timed with this step's mask. The forward thread calls it right after
+        sampling, so a slow accept (it grows with ambiguous shapes) holds only that thread, not the event loop."""
         start = time.perf_counter()
-        accepted = self.matcher.accept_token(token)
+        self._accepted = (token, self.matcher.accept_token(token))
         step_s, self.step_s = self.step_s + time.perf_counter() - start, 0.0
         self.slow_steps = self.slow_steps + 1 if step_s > self.budget_s else 0
+
+    def advance(self, seq: Sequence) -> None:
+        """Take ``seq``'s newest token (accepting it here unless the step already did); finish ``seq`` at a dead end,
+        the grammar's end, or past its budget."""
+        token = seq.output_ids[-1]
+        if self._accepted is None or self._accepted[0] != token:
+            self.accept(token)
+        accepted, self._accepted = self._accepted[1], None
         if not accepted:
             seq.finish_reason = {"type": "abort",
                                  "message": f"grammar dead end: token {token} is not allowed by {self.name}"}
@@ -280,6 +289,13 @@ def fill_mask(grammars: list[RowGrammar | None], vocab_size: int) -> BatchMask |
         if stuck:  # a state with no way on: let the row end, which advance() then reports as a dead end
             _allow(bits, i, grammars[i].matcher.stop_token_ids)
     return BatchMask(rows, bits)
+
+
+def accept_tokens(grammars: list[RowGrammar | None], tokens: list[int]) -> None:
+    """Feed each row with a grammar its sampled token (on the forward thread: see ``RowGrammar.accept``)."""
+    for grammar, token in zip(grammars, tokens):
+        if grammar is not None:
+            grammar.accept(token)
 
 
 def _allows_any(compiled: Any, vocab_size: int) -> bool:

@@ -24,7 +24,7 @@ from decode_worker.model.runner import ModelRunner
 from decode_worker.model.sampler import SampleResult, make_generator
 from decode_worker.scheduler.admission import SHARE_MIN_TOKENS, Admission
 from decode_worker.scheduler.batch import Batch, BatchKind, decode_batch, extend_batch
-from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar, fill_mask
+from decode_worker.scheduler.grammar import CompiledGrammar, RowGrammar, accept_tokens, fill_mask
 from decode_worker.scheduler.loading import Loading
 from decode_worker.scheduler.queues import Queues
 from decode_worker.scheduler.req import Req
@@ -198,6 +198,8 @@ class Scheduler:
             result = batch.scoring.forward_sample(self.runner, batch.forward, params, generators, batch.shaping, mask)
         else:
             result = self.runner.forward_sample(batch.forward, params, generators, batch.shaping, mask)
+        if mask is not None:
+            accept_tokens([r.grammar for r in reqs], result.token_ids)
         self.metrics.forward_seconds.labels(batch.kind.value).observe(time.monotonic() - started)
         return result
 

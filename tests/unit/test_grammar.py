@@ -321,6 +321,45 @@ def test_a_decode_worker_replays_prefill_first_token_into_the_grammar(llm, tiny_
         assert ids == [token] and reason["message"].startswith(f"grammar dead end: token {token} is not allowed")
 
 
+class ThreadSpy:
+    """A matcher that notes the thread each token is fed on."""
+
+    def __init__(self, matcher, fed_on: list[str]):
+        self.matcher, self.fed_on = matcher, fed_on
+
+    def __getattr__(self, name: str):
+        return getattr(self.matcher, name)
+
+    def accept_token(self, token: int) -> bool:
+        self.fed_on.append(threading.current_thread().name)
+        return self.matcher.accept_token(token)
+
+
+def test_the_matcher_takes_sampled_tokens_on_the_forward_thread_not_the_event_loop(llm, tiny_chat):
+    """xgrammar's accept grows with an ambiguous shape as its mask does (30 ms a token after 150 with SmolLM2's
+    tokenizer for ``((x|y)*)*``): on the event loop it stalled every stream of the worker. Both release the GIL, so
+    the forward thread feeds each decoded token; only a token that came from elsewhere (prefill's first) is fed on
+    the loop, one per request."""
+    fed_on: list[str] = []
+
+    async def run() -> list:
+        scheduler = make_scheduler(tiny_chat, 2048)
+        params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, regex="((x|y)*)*")
+        compiled = GrammarCompiler(llm.tokenizer, llm.config.vocab_size).compile_now(params)
+        scheduler.start()
+        try:
+            stream = scheduler.submit(GenerateInput("r", [5, 6, 7, 8, 9], params), compiled)
+            row = scheduler.requests["r"].grammar
+            row.matcher = ThreadSpy(row.matcher, fed_on)
+            return [e async for e in stream]
+        finally:
+            await scheduler.stop(grace_s=0)
+
+    events = asyncio.run(run())
+    assert sum(len(e.token_ids) for e in events) == 6 and events[-1].finish_reason["type"] == "length"
+    assert len(fed_on) == 6 and all(name.startswith("forward") for name in fed_on), fed_on
+
+
 STUCK = 'root ::= "a" dead | "b"\ndead ::= dead'  # after "a" no token can follow, not even end-of-sequence
 
 
