@@ -83,7 +83,7 @@ HANDSHAKE_S, TRANSFER_S, LEASE_S = 20.0, 5.0, 30.0
 SLACK_S = 3.0  # scheduling noise on a loaded 2-core machine, on top of a deadline
 L1_TOKENS = 192  # 12 pages: three or four concurrent requests (4-5 pages each, 2 shared) fill a decode's L1
 BURST = 6  # requests sent to each decode at once in pool_exhaustion: more than its L1 holds
-EXHAUSTION_ROUNDS = 4  # bursts at most, until every decode has run out of L1
+EXHAUSTION_ROUNDS = 4  # bursts past the scheduled ones, sent only to a decode that has not run out of L1 yet
 PROBES = (0, 6, 11, 14)  # one prompt per system message and one more; each episode probes two of them
 STORE_DELAY_S = 2.5  # longer than the L3 tier's 2 s deadline per store call
 REUSE_HOLD_S = 2.0  # the reusing prefill's hold: decode's read deadline is 1 s after its answer
@@ -362,7 +362,8 @@ async def pool_exhaustion(c: Cluster, rng: random.Random, scale: float) -> Episo
     """Bursts of long outputs, more at once than a decode's L1 holds: admitted together (each fits when
     admitted), they all need a page to grow, so running requests are retracted, resumed, and must still give
     the reference output. How many arrive together depends on how fast prefill hands them over, so a decode
-    that has not run out yet gets another burst, up to ``EXHAUSTION_ROUNDS``."""
+    that has not run out after the scheduled bursts gets another, up to ``EXHAUSTION_ROUNDS`` more (the long form
+    schedules as many bursts as the short one allowed in all, so it needs extra ones of its own)."""
     def retractions(d: Proc) -> float:
         return d.metric("decode_worker_retractions_total")
 
@@ -371,7 +372,7 @@ async def pool_exhaustion(c: Cluster, rng: random.Random, scale: float) -> Episo
     outcomes: list[Outcome] = []
     targets, rounds = c.live(), 0
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
-        while targets and rounds < EXHAUSTION_ROUNDS:
+        while targets and rounds < round(2 * scale) + EXHAUSTION_ROUNDS:
             burst = [one_request(client, Mix([d], peers, modes={"full": 2, "stream": 1},
                                              max_new_tokens=(MAX_NEW_TOKENS, MAX_NEW_TOKENS)),
                                  c.ref, random.Random(rng.getrandbits(32)))
