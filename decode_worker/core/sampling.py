@@ -1,11 +1,11 @@
 """Sampling parameters of a request."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # constrained decoding: at most one per request
 GREEDY_BELOW = 1e-5  # a temperature this close to 0 is greedy: dividing logits by it would overflow them into NaN
+MAX_TEMPERATURE = 1e4  # far past uniform; logits are divided in float32, where 1.3e308 is inf and -inf / inf is NaN
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI caps them
 # The repetition penalty divides logits: past this floor (a denormal passed `> 0`) a logit overflows to inf and the
 # step every live request shares raises. No sampler means anything by a penalty this strong.
@@ -55,8 +55,8 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails both comparisons
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

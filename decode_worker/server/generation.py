@@ -136,6 +136,9 @@ async def collect(engine: Engine, request: Request, inputs: list[GenerateInput])
             await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.ALL_COMPLETED)
             if not all(t.done() for t in tasks) and await request.is_disconnected():
                 raise RequestError("client disconnected", 499, "aborted")
+        failed = [e for e in (t.exception() for t in tasks) if e is not None]  # each looked at: none logged as lost
+        if failed:
+            raise failed[0]
         return [t.result() for t in tasks]
     finally:
         for i, (s, _) in enumerate(started):

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from decode_worker.core.sampling import MIN_REPETITION_PENALTY
+from decode_worker.core.sampling import MAX_TEMPERATURE, MIN_REPETITION_PENALTY
 from decode_worker.pd.handshake import MAX_HANDSHAKE_WAIT_S, PD_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ Room = Annotated[int, Field(ge=0, le=2**64 - 1)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Host = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]-]+$"), AfterValidator(_check_host)]
 # What sampling can take; top_k 0 (neither off nor a count) is refused by the engine's own check.
-Temperature = Annotated[float, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1)]
 MaxTokens = Annotated[int, Field(ge=1)]

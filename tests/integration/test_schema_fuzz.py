@@ -131,6 +131,9 @@ FOUND = [
     ("/generate", '{"input_ids": [[1, 2], [3]], "rid": ["a"]}', 400, "rid has 1 entries for 2 prompts"),
     ("/generate", '{"text": "hi", "bootstrap_host": "a/b@c", "bootstrap_room": 1}', 400, "bootstrap_host"),
     ("/generate", '{"text": "hi", "bootstrap_host": "h", "bootstrap_room": -1}', 400, "bootstrap_room"),
+    # A temperature past float32's range divided a grammar's masked logits (-inf) into NaN: a seeded draw raised.
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "temperature": 1.3e308, "seed": 1, '
+     '"response_format": {"type": "json_object"}}', 400, "temperature"),
     # A temperature this small divided the logits into NaN and failed every request in the batch.
     ("/generate", '{"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 1e-300}}', 200, ""),
 ]

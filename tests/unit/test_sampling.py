@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.core.sampling import SamplingParams
+from decode_worker.core.sampling import MAX_TEMPERATURE, SamplingParams
 from decode_worker.core.sequence import Sequence, check_finish, trim_stop_string
 from decode_worker.model.sampler import Shaping, make_generator, sample
 
@@ -71,10 +71,21 @@ def test_finish_reasons():
     assert s.finish_reason["type"] == "length"
 
 
-@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5, 1.3e308])
 def test_temperature_must_be_finite_and_not_negative(temperature):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=temperature).validate()
+
+
+def test_the_hottest_temperature_allowed_keeps_masked_tokens_out_of_a_seeded_draw():
+    """1.3e308 (finite in float64) was inf in float32: a mask's -inf logits became NaN and the seeded draw raised.
+    At the bound the allowed tokens are as good as uniform and the masked ones never drawn."""
+    logits = torch.randn(1, 50)
+    logits[0, 10:] = float("-inf")
+    params = SamplingParams(temperature=MAX_TEMPERATURE, seed=1)
+    params.validate()
+    picks = {sample(logits, [params], [make_generator(i, torch.device("cpu"))]).token_ids[0] for i in range(40)}
+    assert picks <= set(range(10)) and len(picks) > 5
 
 
 def test_a_temperature_next_to_zero_is_greedy():
