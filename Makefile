@@ -84,8 +84,9 @@ $(INTEROP_VENV)/.installed: locks/interop.txt
 	$(INTEROP_VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r locks/interop.txt
 	touch $@
 
-test-interop: $(INTEROP_VENV)/.installed
-	DECODE_WORKER_INTEROP=1 PYTHONPATH=.:kernels:tests/interop/stubs $(INTEROP_VENV)/bin/python -m pytest \
+test-interop: setup $(INTEROP_VENV)/.installed
+	DECODE_WORKER_INTEROP=1 DECODE_WORKER_PYTHON=$(abspath $(PY)) PYTHONPATH=.:kernels:tests/interop/stubs \
+		$(INTEROP_VENV)/bin/python -m pytest \
 		--confcutdir=tests/interop -p no:cacheprovider tests/interop
 
 # Mutation testing of the cache modules ([tool.mutmut] in pyproject.toml); lists the mutants that survived.

@@ -63,6 +63,10 @@ class ServerConfig(BaseSettings):
     ucx_port: int = _opt("unused since KV moves over NIXL (no listener of ours); accepted so existing command lines "
                          "start, with a warning when set", 0)
     bootstrap_port: int | None = _opt("prefill handshake port used when a request's bootstrap_port is null")
+    pd_peer_protocol: Literal["native", "sglang"] = _opt(
+        "decode role: the PD protocol its prefill peers speak: native (decode-worker's prefill role: handshake, "
+        "decode reads the KV) or sglang (an unmodified SGLang prefill started with --disaggregation-mode prefill "
+        "--disaggregation-transfer-backend nixl pushes the KV; docs/sglang-prefill.md)", "native")
     pd_token: str = _opt("shared secret of a prefill/decode pair, sent in the handshake's X-PD-Token header", "")
     prefill_hosts: str = _opt("decode role: the prefill workers this worker may call (and send its PD token to), as "
                               "host[:port],... with IP addresses or DNS names (a name also allows every address it "
@@ -178,6 +182,8 @@ class ServerConfig(BaseSettings):
             entries = parse_prefill_hosts(self.prefill_hosts)
         except ValueError as e:
             raise ConfigError(f"--prefill-hosts: {e}") from None
+        if self.pd_peer_protocol == "sglang":
+            self._check_sglang_peer(entries)
         secrets = " and ".join(_flag(name) for name in ("pd_token", "api_key") if getattr(self, name))
         if self.role != "decode" or not secrets:
             return
@@ -189,6 +195,19 @@ class ServerConfig(BaseSettings):
             which = f"{', '.join(portless)} names no port" if portless else "it is unset: loopback, any port"
             raise ConfigError(f"{secrets} go only to prefill workers listed in --prefill-hosts as host:port ({which}): "
                               "on a shared host any user may listen on a loopback port")
+
+    def _check_sglang_peer(self, entries: tuple | None) -> None:
+        """SGLang's protocol carries no secret and lets a registered prefill write into the whole KV pool: only
+        for the decode role, and only with prefill bootstrap servers listed with their ports."""
+        if self.role != "decode":
+            raise ConfigError("--pd-peer-protocol sglang is for the decode role (this package's prefill role speaks "
+                              "the native protocol)")
+        if self.pd_token:
+            raise ConfigError("--pd-token is not sent to SGLang prefills (their protocol has no secret): unset it "
+                              "with --pd-peer-protocol sglang; --prefill-hosts is what guards the pool")
+        if not entries or any(e.port is None for e in entries):
+            raise ConfigError("--pd-peer-protocol sglang needs --prefill-hosts listing each SGLang prefill's "
+                              "bootstrap server as host:port (a registered prefill may write into the whole KV pool)")
 
     @property
     def kv_events(self) -> dict[str, Any] | None:

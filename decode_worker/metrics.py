@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from decode_worker.cache.stats import CacheStats
@@ -80,6 +80,8 @@ class Metrics:
         self.transfer_failures = Counter(PREFIX + "transfer_failures", "Failed KV transfers by reason", ["reason"], registry=r)
         self.step_failures = Counter(PREFIX + "step_failures", "Batch forwards that raised, by kind (each is re-run in "
                                      "halves: only the requests that make it raise fail)", ["kind"], registry=r)
+        self.fenced_pages = Gauge(PREFIX + "pd_fenced_pages", "PD with SGLang prefills: L1 pages kept out of use after "
+                                  "a failed or aborted room, since a write may still land there", registry=r)
         self.retractions = Counter(PREFIX + "retractions", "Running requests retracted when L1 ran out", registry=r)
         self.kv_events_dropped = Counter(PREFIX + "kv_events_dropped", "KV events lost to a full publisher queue "
                                          "(subscribers then see a sequence gap and an AllBlocksCleared)", registry=r)

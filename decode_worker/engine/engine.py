@@ -20,7 +20,7 @@ from decode_worker.core.tasks import SharedRun
 from decode_worker.core.threads import started_pool
 from decode_worker.engine.startup_gc import freeze_startup_objects
 from decode_worker.engine.summary import startup_summary
-from decode_worker.engine.wiring import open_kv_events, open_pd, open_storage
+from decode_worker.engine.wiring import ModelFacts, open_kv_events, open_pd, open_storage
 from decode_worker.metrics import Metrics, cache_families
 from decode_worker.model.embedded import ensure_default_model
 from decode_worker.model.loader import load_model
@@ -50,7 +50,7 @@ class Engine:
         self.cache: HierarchicalCache | None = None
         self.scheduler: Scheduler | None = None
         self.tokenizer = None
-        self.fetcher = None  # decode role: DeltaKVFetcher
+        self.fetcher = None  # decode role: DeltaKVFetcher, or SGLangPrefillSource with --pd-peer-protocol sglang
         self.handoff = None  # prefill role: KVHandoff
         self._expiry: asyncio.Task | None = None
         self.kv_events = None  # ZmqEventPublisher under --kv-events-config
@@ -102,7 +102,9 @@ class Engine:
         tok = self.tokenizer
         self.grammars = GrammarCompiler(tok, self.runner.config.vocab_size, GrammarLimits(
             cfg.grammar_max_bytes, cfg.grammar_max_nesting, cfg.grammar_step_budget_ms / 1000))
-        self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics, self.runner.config.vocab_size)
+        model = ModelFacts(self.model_name, self.runner.config.vocab_size, self.runner.config.hidden_size,
+                           self.cache.free_device)
+        self.fetcher, self.handoff = open_pd(cfg, self.runner.pool, self.metrics, model)
         self.scheduler = Scheduler(
             self.runner, self.cache if cfg.radix_cache else NoPrefixReuse(self.cache), self.metrics,
             eos_token_ids=tok.eos_token_ids, decode_text=tok.decode,

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from decode_worker.cache.hicache import HierarchicalCache
 from decode_worker.cache.kv_events import AllBlocksCleared, TreeEvents
@@ -21,8 +25,19 @@ from decode_worker.metrics import Metrics
 if TYPE_CHECKING:
     from decode_worker.pd.decode import DeltaKVFetcher
     from decode_worker.pd.prefill import KVHandoff
+    from decode_worker.pd.sglang_peer import SGLangPrefillSource
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the PD half needs of the loaded model and its cache."""
+
+    name: str  # the served model name: an SGLang prefill must serve the same
+    vocab_size: int  # prefill's first token must be below it
+    hidden_size: int  # SGLang's aux slot holds a hidden state of this size
+    free_pages: Callable[[np.ndarray], None]  # the cache's: fenced L1 pages go back through it
 
 
 def open_storage(cfg: ServerConfig, layout: KVLayout) -> StorageTier | None:
@@ -67,8 +82,8 @@ def unused_ucx_flags(cfg: ServerConfig) -> list[str]:
             "agent's metadata, and listens for none" for flag, value in given]
 
 
-def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics,
-            vocab_size: int) -> tuple[DeltaKVFetcher | None, KVHandoff | None]:
+def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics, model: ModelFacts,
+            ) -> tuple[DeltaKVFetcher | SGLangPrefillSource | None, KVHandoff | None]:
     """The role's PD half over a NIXL agent registering ``pool`` (colocated: None, None)."""
     if cfg.role not in ("decode", "prefill"):
         return None, None
@@ -77,10 +92,16 @@ def open_pd(cfg: ServerConfig, pool: KVPool, metrics: Metrics,
     for warning in unused_ucx_flags(cfg):
         log.warning(warning)
     agent = KVAgent(pool.buffer, cfg.role, pool.shared)
+    if cfg.role == "decode" and cfg.pd_peer_protocol == "sglang":
+        from decode_worker.pd.sglang_peer import SGLangPrefillSource
+
+        return SGLangPrefillSource(cfg, pool, agent, metrics, vocab_size=model.vocab_size,
+                                   hidden_size=model.hidden_size, model_name=model.name,
+                                   free_pages=model.free_pages), None
     if cfg.role == "decode":
         from decode_worker.pd.decode import DeltaKVFetcher
 
-        return DeltaKVFetcher(cfg, pool, agent, metrics, vocab_size), None
+        return DeltaKVFetcher(cfg, pool, agent, metrics, model.vocab_size), None
     from decode_worker.pd.prefill import KVHandoff
 
     return None, KVHandoff(cfg, pool, agent, metrics)

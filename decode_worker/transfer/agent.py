@@ -94,9 +94,14 @@ class KVAgent:
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.pool.table(), self.pool.mem)
         self._peers: dict[str, Peer] = {}
         self._scratch: tuple | None = None  # a registered page for ``_connect``'s test reads, made on first use
+        self._extra: list[tuple[torch.Tensor, object]] = []  # other registered buffers, with their handles
         self._copier = started_pool(1, "kv-read")
         self._loader = started_pool(1, "kv-peer")  # loads one peer at a time
         self._loading: dict[str, asyncio.Task[Peer]] = {}  # by agent name: a load a second handshake waits for too
+
+    def register_extra(self, buffer: torch.Tensor) -> None:
+        """Register another host buffer (SGLang's aux slots) for peers to write; kept until ``close``."""
+        self._extra.append((buffer, self.agent.register_memory([buffer])))
 
     def metadata(self) -> bytes:
         """What peers load to read our pool and notify us."""
@@ -322,6 +327,8 @@ class KVAgent:
             self.drop_peer(name)
         self._local.release()
         self.agent.deregister_memory(self._registered)
+        for _, registered in self._extra:
+            self.agent.deregister_memory(registered)
         if self._scratch is not None:
             self._scratch[2].release()
             self.agent.deregister_memory(self._scratch[1])

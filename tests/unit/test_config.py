@@ -214,3 +214,17 @@ def test_secrets_need_no_prefill_list_where_nothing_sends_them():
     assert parse(["--role", "prefill", "--pd-token", "t", "--api-key", "k"]).pd_token == "t"
     assert parse(["--role", "decode"]).prefill_hosts == ""
     assert parse(["--role", "decode", "--pd-token", "t", "--prefill-hosts", "127.0.0.1:30001"]).pd_token == "t"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--role", "prefill"], "--pd-peer-protocol sglang is for the decode role"),
+    (["--role", "decode"], "needs --prefill-hosts listing each SGLang prefill's bootstrap server as host:port"),
+    (["--role", "decode", "--prefill-hosts", "p0"], "needs --prefill-hosts listing"),
+    (["--role", "decode", "--prefill-hosts", "p0:8998", "--pd-token", "t"], "--pd-token is not sent to SGLang"),
+])
+def test_an_sglang_peer_needs_listed_bootstrap_servers_and_takes_no_pd_token(argv, fragment):
+    """A registered SGLang prefill may write into the whole KV pool, and its protocol carries no secret."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        parse([*argv, "--pd-peer-protocol", "sglang"])
+    assert parse(["--role", "decode", "--pd-peer-protocol", "sglang", "--prefill-hosts", "p0:8998"]).pd_peer_protocol \
+        == "sglang"
