@@ -1,7 +1,7 @@
 """What an SGLang prefill of our model would hold for a prompt, made with our own model code (run in the main venv):
 the prompt's KV per layer as SGLang lays it out (``[token, head, dim]`` for K and V), the first token, and the
-greedy answer a colocated worker gives, with each token's logprob. The interop sender serves that KV, so a decode fed by it must answer the
-same tokens.
+greedy answer a colocated worker gives, with each token's logprob. The interop sender serves that KV, so a decode
+fed by it must answer the same tokens with the same logprobs.
 
 Run: python tests/interop/reference_kv.py MODEL OUT.pt PAGE_SIZE MAX_NEW_TOKENS ID [ID ...]  ->  a JSON line."""
 from __future__ import annotations

@@ -8,8 +8,9 @@ our model's geometry). Its HTTP port answers as an SGLang prefill server where a
 (``http_server``), with ``SGLANG_SENDER_MODEL`` as the served model name.
 
 Run: python tests/interop/sglang_prefill.py  ->  {"boot_port": N, "http_port": M}; then {"room", "pages",
-"aux_slot", "first_token"} lines (``aux_room``: write another room into the aux slot; ``delay_s``: compute this long), each answered {"sent": pages
-sent} or {"error": why}."""
+"aux_slot", "first_token"} lines, each answered {"sent": pages sent} or {"error": why}. Optional fields:
+``aux_room`` (write another room into the aux slot), ``delay_s`` (compute this long first), ``notify`` (send these
+notifications instead of the transfer)."""
 from __future__ import annotations
 
 import json
@@ -161,6 +162,11 @@ def send(mgr: NixlKVManager, meta: MetadataBuffers, boot_port: int, command: dic
             return {"error": "decode's request never came"}
         time.sleep(0.005)
     time.sleep(command.get("delay_s", 0))  # a prefill still computing: an abort from decode may come meanwhile
+    if "notify" in command:  # a broken prefill: raw notifications to every registered decode instead of a transfer
+        for name in mgr.decode_kv_args_table:
+            for message in command["notify"]:
+                mgr.agent.send_notif(name, message.encode())
+        return {"notified": command["notify"]}
     delta = command["pages"][sender.pop_decode_prefix_len() // page:]
     meta.output_ids[slot][0] = command["first_token"]
     meta.bootstrap_room[slot][0] = command.get("aux_room", room)

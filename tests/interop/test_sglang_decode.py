@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -53,14 +54,17 @@ def reference(tmp_path_factory) -> dict:
 class Sender:
     """SGLang's sender in its own process, serving the reference KV (its threads never end: killed at the end)."""
 
-    def __init__(self, reference: dict):
-        env = {**os.environ, "SGLANG_SENDER_KV": str(reference["kv"]), "SGLANG_SENDER_MODEL": MODEL,
+    def __init__(self, reference: dict, kv: Path | None = None):
+        env = {**os.environ, "SGLANG_SENDER_KV": str(kv or reference["kv"]), "SGLANG_SENDER_MODEL": MODEL,
                "SGLANG_SENDER_FIRST_TOKEN": str(reference["first_token"]),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, str(HERE / "sglang_prefill.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
-        hello = self.proc.stdout.readline()
-        assert hello, "SGLang's sender did not start"
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        hello = self.proc.stdout.readline() if ready else ""
+        if not hello:
+            self.kill()
+            raise AssertionError("SGLang's sender did not start within 120 s")
         self.boot_port, self.http_port = json.loads(hello)["boot_port"], json.loads(hello)["http_port"]
         self.pages = list(range(reference["pages"]))
         self.first_token = reference["first_token"]
@@ -211,6 +215,39 @@ def test_a_prefill_of_another_page_size_is_refused_before_registering(sender, re
         assert answer.status_code == 502 and "page size 4, ours 8" in answer.text, answer.text
     finally:
         other.stop()
+
+
+def test_a_prefill_of_another_kv_dtype_is_refused_before_registering(reference):
+    """KV in bfloat16 against our float32 decode: refused by what the bootstrap server says, nothing registered."""
+    import torch
+
+    saved = torch.load(reference["kv"])
+    bf16 = reference["root"] / "kv-bf16.pt"
+    torch.save({**saved, "k": [t.bfloat16() for t in saved["k"]], "v": [t.bfloat16() for t in saved["v"]]}, bf16)
+    sender = Sender(reference, kv=bf16)
+    decode = Decode("decode-misfit", reference, sender.boot_port)
+    try:
+        answer = decode.generate(108, sender.boot_port, timeout_s=30)
+        assert answer.status_code == 502, answer.text
+        assert "KV dtype bfloat16, ours float32" in answer.text, answer.text
+        assert decode.metric("decode_worker_kv_received_tokens_total") == 0
+    finally:
+        decode.stop()
+        sender.kill()
+
+
+def test_notifications_that_do_not_add_up_fail_the_room_not_the_worker(sender, decode, reference):
+    """A prefill that says a chunk landed twice fails that room (its pages fenced); one that sends a notification
+    of no known form is logged and ignored; the next room is served as ever."""
+    thread, out = in_background(lambda: decode.generate(109, sender.boot_port))
+    assert sender.send(109, notify=["zz_not_a_notification", "109_kv_0_0_0", "109_kv_0_0_0"]) \
+        == {"notified": ["zz_not_a_notification", "109_kv_0_0_0", "109_kv_0_0_0"]}
+    thread.join()
+    assert out["value"].status_code == 502 and "chunk 0 arrived twice" in out["value"].text, out["value"].text
+    thread, out = in_background(lambda: decode.generate(110, sender.boot_port))
+    assert "sent" in sender.send(110)
+    thread.join()
+    assert_as_colocated(out["value"], reference)
 
 
 def test_a_sender_that_dies_mid_room_fails_the_request_within_its_deadline(reference):
