@@ -49,7 +49,6 @@ RETRY_S = 1.0
 """How long a failed discovery of a prefill answers its requests before the next request tries again."""
 FENCE_SHARE = 0.25
 """Most of the pool fenced at once; past it new requests from SGLang prefills get 503 until fences end."""
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass
@@ -275,7 +274,7 @@ class SGLangPrefillSource:
                             layer_ids=[r // 2 for r in range(regions)])
 
     def _check(self, info: PrefillServerInfo, where: str) -> None:
-        ours = DTYPE_NAMES.get(self.layout.dtype, str(self.layout.dtype))
+        ours = self.layout.describe()["dtype"]  # the name SGLang uses too ("bfloat16", "float32")
         sizes = {"attention TP": info.attn_tp_size, "pipeline parallel": info.pp_size,
                  "context parallel": info.attn_cp_size, "data parallel": info.dp_size}
         problems = [f"{name} {size} (this decode takes KV from 1 only)" for name, size in sizes.items() if size != 1]
