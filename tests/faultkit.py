@@ -391,7 +391,8 @@ class LoopStall:
     ``others_cpu_ms`` the longest any ran (a thread holding the GIL through a long call shows there). That
     excuse holds only while the loop was not seen waiting of its own accord: ``seen_at`` is where the watchdog
     saw the loop's thread in a lock, a thread's start or a socket during the stall (``BLOCKING_FRAMES``).
-    ``at``: wall time."""
+    ``steal_ms``: the most time the hypervisor took from one of this virtual machine's cores meanwhile
+    (``/proc/stat``): a sleeping loop wakes up late when its core is not running at all. ``at``: wall time."""
 
     ms: float
     cpu_ms: float
@@ -399,14 +400,15 @@ class LoopStall:
     at: float
     others_cpu_ms: float = 0.0
     others_runqueue_ms: float = 0.0
+    steal_ms: float = 0.0
     seen_at: str = ""
 
     @property
     def blocked_ms(self) -> float:
         """What the loop itself lost: running code on it, or blocked, not counting the waits for a free core (its
-        own, and that of the thread it may have waited on)."""
+        own, and that of the thread it may have waited on) nor the time the machine itself was not running."""
         excused = 0.0 if self.seen_at else self.others_runqueue_ms
-        return max(0.0, self.ms - self.runqueue_ms - excused)
+        return max(0.0, self.ms - self.runqueue_ms - excused - self.steal_ms)
 
 
 # Where the watchdog may see the loop's thread wait of its own accord (a lock, a thread's start, a socket); seen
@@ -421,7 +423,8 @@ def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
         if line.startswith("faultkit: loop stall"):
             kv = dict(part.split("=") for part in line.split()[3:])
             stalls.append(LoopStall(float(kv["ms"]), float(kv["cpu_ms"]), float(kv["runqueue_ms"]), float(kv["at"]),
-                                    float(kv.get("others_cpu_ms", 0)), float(kv.get("others_runqueue_ms", 0))))
+                                    float(kv.get("others_cpu_ms", 0)), float(kv.get("others_runqueue_ms", 0)),
+                                    float(kv.get("steal_ms", 0))))
         elif line.startswith("faultkit: loop stuck"):
             at, _, where = line.removeprefix("faultkit: loop stuck at=").partition(" loop: ")
             if where.startswith(BLOCKING_FRAMES):
@@ -592,13 +595,19 @@ def _probe_loop() -> None:
             out[tid] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
         return out
 
+    def steal() -> list[float]:
+        """Time the hypervisor ran something else on each of this machine's cores so far, in seconds."""
+        with open("/proc/stat") as f:
+            cores = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
+        return [int(fields[8]) / os.sysconf("SC_CLK_TCK") for fields in cores]
+
     ticked = [time.monotonic()]  # the probe's last tick, read by the watchdog
 
     async def probe() -> None:
-        threading.Thread(target=watchdog, args=(threading.get_ident(),), daemon=True, name="loop-watchdog").start()
         me, threads, ticks = str(threading.get_native_id()), threads_schedstat(), 0
+        threading.Thread(target=watchdog, args=(threading.get_ident(), me), daemon=True, name="loop-watchdog").start()
         while True:
-            t0, (run0, wait0) = time.monotonic(), schedstat()
+            t0, (run0, wait0), stolen0 = time.monotonic(), schedstat(), steal()
             ticked[0] = t0
             await asyncio.sleep(0.005)
             lag, (run1, wait1) = time.monotonic() - t0 - 0.005, schedstat()
@@ -607,14 +616,27 @@ def _probe_loop() -> None:
                 now = threads_schedstat()
                 python = {str(t.native_id) for t in threading.enumerate()} - {me}  # only these can hold the GIL
                 deltas = [(now[t][0] - was[0], now[t][1] - was[1]) for t, was in threads.items() if t in now and t in python]
+                stolen = max((b - a for a, b in zip(stolen0, steal())), default=0.0)
                 _log_line(f"faultkit: loop stall ms={lag * 1000:.1f} cpu_ms={(run1 - run0) * 1000:.1f} "
                           f"runqueue_ms={(wait1 - wait0) * 1000:.1f} at={time.time():.3f} "
                           f"others_cpu_ms={max((r for r, _ in deltas), default=0) * 1000:.1f} "
-                          f"others_runqueue_ms={max((w for _, w in deltas), default=0) * 1000:.1f}")
+                          f"others_runqueue_ms={max((w for _, w in deltas), default=0) * 1000:.1f} "
+                          f"steal_ms={stolen * 1000:.1f}")
             if lag * 1000 > LOOP_LOG_MS or ticks % 10 == 0:  # the window of the next stall starts here
                 threads = threads_schedstat()
 
-    def watchdog(loop_thread: int) -> None:
+    def kernel_state(native_id: str) -> str:
+        """The loop thread's scheduler state and the kernel function it sleeps in (``S futex_wait``: the GIL or
+        a lock, ``D``: disk or memory reclaim), for the log."""
+        try:
+            with open(f"/proc/self/task/{native_id}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+            with open(f"/proc/self/task/{native_id}/wchan") as f:
+                return f"{state} {f.read() or '-'}"
+        except OSError:
+            return "?"
+
+    def watchdog(loop_thread: int, loop_native_id: str) -> None:
         """Where the loop's thread is while a tick is over ``LOOP_LOG_MS`` late, once per stall: the line a blocking
         call shows in. (A stall with no such line had the GIL held by another thread for all of it.)"""
         reported = 0.0
@@ -628,7 +650,8 @@ def _probe_loop() -> None:
                                     for f in _stack(frames.get(loop_thread), 6))
                 others = "; ".join(f"{t.name}: {frames[t.ident].f_code.co_name}" for t in threading.enumerate()
                                    if t.ident in frames and t.ident != loop_thread)
-                _log_line(f"faultkit: loop stuck at={time.time():.3f} loop: {where} | others: {others}")
+                _log_line(f"faultkit: loop stuck at={time.time():.3f} loop: {where} | kernel: "
+                          f"{kernel_state(loop_native_id)} | others: {others}")
 
     async def start_with_probe(self) -> None:
         await start(self)

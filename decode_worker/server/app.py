@@ -72,10 +72,16 @@ def build_app(config: ServerConfig) -> tuple[FastAPI, Engine]:
     return app, engine
 
 
+# An idle connection stays open this long: longer than the idle pools of the clients in front of a worker
+# (a router's reqwest pool keeps them 90 s, httpx 5 s), so the client closes first. With uvicorn's 5 s a request
+# sent on a connection the server is closing at that moment fails without reaching the worker.
+KEEP_ALIVE_S = 120
+
+
 def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     app, _ = build_app(config)
     # log_config=None: uvicorn's loggers go through the root handler above, so every line has one format.
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level=config.log_level,
-                log_config=None, timeout_graceful_shutdown=15)
+                log_config=None, timeout_graceful_shutdown=15, timeout_keep_alive=KEEP_ALIVE_S)

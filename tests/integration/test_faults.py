@@ -14,8 +14,9 @@ tier and /metrics agreeing with /server_info; every output seen (and a fixed pro
 reference token for token; and no request may fail except those whose prefill peer was killed or stalled, which
 must get a clear 502/504 within their deadline. Every decode's event loop is probed: its stalls are reported at
 the end, split by the kernel's accounting of the loop's thread into running code on the loop, waiting for a core
-(seven workers share two here) and blocked (a system call or the GIL); running plus blocked must stay under
-``LOOP_STALL_LIMIT_MS``. Each episode prints one JSON line with what it measured.
+(seven workers share two here), the time the hypervisor took the machine's cores, and blocked (a system call or
+the GIL); running plus blocked must stay under ``LOOP_STALL_LIMIT_MS``. Each episode prints one JSON line with
+what it measured.
 
 ``FAULTS_SEED`` picks the schedule (default 11); the slow variant runs ``FAULTS_ROUNDS`` rounds (default 3).
 """
@@ -576,6 +577,7 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
         name: {"stall_max_ms": max((x.ms for x in found), default=0.0),
                "blocked_max_ms": round(max((x.blocked_ms for x in found), default=0.0), 1),
                "running_max_ms": max((x.cpu_ms for x in found), default=0.0),
+               "steal_max_ms": max((x.steal_ms for x in found), default=0.0),
                "stalls_over_limit": sum(x.ms > LOOP_STALL_LIMIT_MS for x in found),
                "of_them_waiting_for_a_core_ms": [x.runqueue_ms for x in found if x.ms > LOOP_STALL_LIMIT_MS][:10],
                "other_threads_waiting_for_a_core_ms": [x.others_runqueue_ms for x in found
@@ -583,7 +585,8 @@ def run_schedule(c: Cluster, seed: int, rounds: int, scale: float) -> None:
         for name, found in stalls.items()}}), flush=True)
     problems += [f"[{name}] its event loop was blocked {x.blocked_ms:.0f} ms (a {x.ms:.0f} ms stall, {x.cpu_ms:.0f} ms "
                  f"of it running code on the loop, {x.runqueue_ms:.0f} ms waiting for a core; another thread ran up to "
-                 f"{x.others_cpu_ms:.0f} ms and waited for a core up to {x.others_runqueue_ms:.0f} ms)"
+                 f"{x.others_cpu_ms:.0f} ms and waited for a core up to {x.others_runqueue_ms:.0f} ms; the hypervisor "
+                 f"took {x.steal_ms:.0f} ms from a core)"
                  for name, found in stalls.items() for x in found if x.blocked_ms > LOOP_STALL_LIMIT_MS]
     assert not problems, "\n".join(problems)
 

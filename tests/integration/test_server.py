@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import time
 
 import httpx
 import pytest
@@ -171,6 +173,22 @@ def test_concurrent_streams_and_disconnect_free_every_page(server):
     assert all(c == 24 for i, c in enumerate(counts) if i % 8), counts
     wait_pages_free(server)
     assert server.metric("decode_worker_requests_total", outcome="aborted") >= 1
+
+
+def test_a_connection_idle_past_uvicorns_default_keep_alive_still_takes_a_request(server):
+    """A router's pool reuses a connection after it sat idle for seconds; the worker must not have closed it
+    (with uvicorn's 5 s default, a request sent as the server closes fails without reaching it)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        for _ in range(2):
+            conn.request("GET", "/health")
+            answer = conn.getresponse()
+            answer.read()
+            assert answer.status == 200
+            time.sleep(6)
+    finally:
+        conn.close()
 
 
 def test_flush_cache(server):
