@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
+from decode_worker.cache.kv_events import ENCODINGS
 from decode_worker.core.policies import EvictionPolicy, PrefetchMode, Role, StorageBackend, WritePolicy
 
 ENV_PREFIX = "DECODE_WORKER_"
@@ -117,7 +118,9 @@ class ServerConfig(BaseSettings):
     kv_events_config: str | None = _opt("publish KV events for KV-aware routers (llm-d, Dynamo) over ZMQ in "
                                         "vLLM's format; JSON as vLLM's and SGLang's flag: publisher (zmq or null), "
                                         "endpoint (tcp://*:5557), topic, replay_endpoint, buffer_steps, hwm, "
-                                        "max_queue_size, enable_kv_cache_events; unset: off")
+                                        "max_queue_size, enable_kv_cache_events, event_encoding (array: positional "
+                                        "events, as llm-d and Dynamo read; map: tagged maps, as vLLM 0.24+ and "
+                                        "SGLang 0.5.20+ send); unset: off")
     tool_call_parser: Literal["auto", "hermes"] = _opt("how the model writes tool calls on the chat route: auto "
                                                        "(the format its chat template shows, else hermes) or "
                                                        "hermes (<tool_call>{json}</tool_call>)", "auto")
@@ -222,7 +225,7 @@ class ServerConfig(BaseSettings):
 # --kv-events-config keys (vLLM's KVEventsConfig, SGLang's is the same less the first) and their types.
 _KV_EVENTS_KEYS: dict[str, type | tuple[type, ...]] = {
     "enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": (str, type(None)),
-    "topic": str, "buffer_steps": int, "hwm": int, "max_queue_size": int,
+    "topic": str, "buffer_steps": int, "hwm": int, "max_queue_size": int, "event_encoding": str,
 }
 
 
@@ -245,6 +248,9 @@ def kv_events_settings(raw: str | None) -> dict[str, Any] | None:
     publisher = given.pop("publisher", "zmq")
     if publisher not in ("zmq", "null"):
         raise ConfigError(f"--kv-events-config: publisher must be zmq or null, not {publisher!r}")
+    if given.get("event_encoding", "array") not in ENCODINGS:
+        raise ConfigError(f"--kv-events-config: event_encoding must be one of {', '.join(ENCODINGS)}, "
+                          f"not {given['event_encoding']!r}")
     if not given.pop("enable_kv_cache_events", True) or publisher == "null":
         return None
     return given

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,10 +21,11 @@ class BlockStored:
     block_size: int
     medium: str
 
-    def wire(self) -> list:
-        """msgspec ``array_like``: the tag, then every field in order."""
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None,
-                self.medium, None]
+    def fields(self) -> dict[str, Any]:
+        """vLLM's fields in its order; LoRA is never set here."""
+        return {"block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": None, "medium": self.medium,
+                "lora_name": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,17 +33,25 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str
 
-    def wire(self) -> list:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def fields(self) -> dict[str, Any]:
+        return {"block_hashes": self.block_hashes, "medium": self.medium}
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    def wire(self) -> list:
-        return ["AllBlocksCleared"]
+    def fields(self) -> dict[str, Any]:
+        return {}
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+ENCODINGS = ("array", "map")
+
+
+def wire(event: KVEvent, encoding: str) -> list | dict:
+    """One event as msgspec writes vLLM's tagged structs: ``array`` (``array_like``: the tag, then every field in
+    order, vLLM before 0.24) or ``map`` (the tag under ``type``, then the fields by name, vLLM since 0.24)."""
+    tag, fields = type(event).__name__, event.fields()
+    return [tag, *fields.values()] if encoding == "array" else {"type": tag, **fields}
 
 
 def block_hash(hex_digest: str) -> int:

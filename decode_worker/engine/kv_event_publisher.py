@@ -11,7 +11,7 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
-from decode_worker.cache.kv_events import AllBlocksCleared, KVEvent
+from decode_worker.cache.kv_events import AllBlocksCleared, KVEvent, wire
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +21,10 @@ LOST = AllBlocksCleared()  # queued where events were dropped; the sender turns 
 IDLE_POLL_S = 0.05  # how often an idle sender looks at replay requests and at close
 
 
-def encode_batch(events: list[KVEvent], ts: float, dp_rank: int = 0) -> bytes:
-    """One message's msgpack payload, rank included."""
-    return msgpack.packb([ts, [e.wire() for e in events], dp_rank], use_bin_type=True)
+def encode_batch(events: list[KVEvent], ts: float, encoding: str = "array", dp_rank: int = 0) -> bytes:
+    """One message's msgpack payload: the batch is an array in both encodings (vLLM's ``array_like`` batch), rank
+    included; ``encoding`` is the events' (``wire``)."""
+    return msgpack.packb([ts, [wire(e, encoding) for e in events], dp_rank], use_bin_type=True)
 
 
 def binds(endpoint: str) -> bool:
@@ -36,8 +37,9 @@ class ZmqEventPublisher:
 
     def __init__(self, endpoint: str = "tcp://*:5557", *, topic: str = "", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
-                 on_drop: Callable[[], None] | None = None):
+                 event_encoding: str = "array", on_drop: Callable[[], None] | None = None):
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.encoding = event_encoding
         self.dropped = 0  # events lost to a full queue
         self.on_drop = on_drop  # called once per event dropped (the metric)
         self._lost = False  # events were dropped and no LOST marker is queued after them yet (event loop only)
@@ -124,7 +126,7 @@ class ZmqEventPublisher:
         if not events:
             return seq
         try:
-            payload = encode_batch(events, time.time())
+            payload = encode_batch(events, time.time(), self.encoding)
             self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
         except Exception:  # a send must not kill the sender; the gap shows in the sequence numbers
             log.exception("KV events: sending batch %d failed", seq)
@@ -140,7 +142,7 @@ class ZmqEventPublisher:
                 log.warning("KV events: malformed replay request (%d frames)", len(frames))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self._history):
+            for seq, payload in list(self._history):  # each as it went out on PUB: topic, sequence, payload
                 if seq >= start:
-                    self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            self._replay.send_multipart([client, b"", END_OF_REPLAY, b""])
+                    self._replay.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+            self._replay.send_multipart([client, b"", b"", END_OF_REPLAY, b""])

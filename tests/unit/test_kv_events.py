@@ -1,14 +1,17 @@
 """KV events: a real ZMQ SUB socket reads what a real HierarchicalCache (L1 + L2) publishes, decodes the frames
-positionally as llm-d's and Dynamo's vLLM readers do, and must find exactly the cache's own pages per tier after
-stores, splits, demotion to L2, load-back, L2 eviction and flush; plus the wire details, replay and the flag."""
+with vLLM's message types in the encoding asked for (positional arrays, as llm-d and Dynamo read them, or the tagged
+maps of vLLM 0.24+), and must find exactly the cache's own pages per tier after stores, splits, demotion to L2,
+load-back, L2 eviction and flush; plus the wire details, replay and the flag."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 import time
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -27,6 +30,7 @@ from decode_worker.engine.kv_event_publisher import ZmqEventPublisher
 from decode_worker.engine.wiring import open_kv_events
 from decode_worker.launch import free_port
 from decode_worker.metrics import Metrics
+from tests import vllm_kv_events
 from tests.unit.test_hicache import PS, make_cache, run, start
 
 TOPIC = "kv@10.0.0.7:30000@smollm2"
@@ -35,8 +39,9 @@ TOPIC = "kv@10.0.0.7:30000@smollm2"
 class Replica:
     """A router's view of one worker, rebuilt from the events alone: the (hash, medium) pairs present."""
 
-    def __init__(self, endpoint: str, topic: str = "", bind: bool = False, block_size: int = PS):
-        self.block_size = block_size
+    def __init__(self, endpoint: str, topic: str = "", bind: bool = False, block_size: int = PS,
+                 encoding: str = "array"):
+        self.block_size, self.encoding = block_size, encoding
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -55,27 +60,26 @@ class Replica:
         self.ctx.term()
 
     def apply(self, payload: bytes) -> None:
-        ts, events, dp_rank = msgpack.unpackb(payload)  # Dynamo reads the batch as exactly this 3-tuple
-        assert isinstance(ts, float) and dp_rank == 0
-        for event in events:
-            tag, *fields = event
-            if tag == "BlockStored":
-                hashes, parent, tokens, block_size, lora_id, medium, lora_name = fields
+        batch = vllm_kv_events.decode(payload, self.encoding)
+        assert batch.data_parallel_rank == 0
+        for event in batch.events:
+            if isinstance(event, vllm_kv_events.STORED):
                 bs = self.block_size
-                assert block_size == bs and len(tokens) == bs * len(hashes) and lora_id is lora_name is None
-                assert all(isinstance(h, int) and -(1 << 63) <= h < 1 << 63 for h in hashes)
+                assert event.block_size == bs and len(event.token_ids) == bs * len(event.block_hashes)
+                assert event.lora_id is event.lora_name is None
+                assert all(-(1 << 63) <= h < 1 << 63 for h in event.block_hashes)
+                parent = event.parent_block_hash
                 assert parent is None or parent in self.pages, "parent never stored"
-                for i, h in enumerate(hashes):
-                    self.present.add((h, medium))
-                    self.pages[h] = (parent, tokens[i * bs : (i + 1) * bs])
+                for i, h in enumerate(event.block_hashes):
+                    self.present.add((h, event.medium))
+                    self.pages[h] = (parent, event.token_ids[i * bs : (i + 1) * bs])
                     parent = h
-            elif tag == "BlockRemoved":
-                hashes, medium = fields
-                for h in hashes:
-                    assert (h, medium) in self.present, "removed a block never stored"
-                    self.present.discard((h, medium))
+            elif isinstance(event, vllm_kv_events.REMOVED):
+                for h in event.block_hashes:
+                    assert (h, event.medium) in self.present, "removed a block never stored"
+                    self.present.discard((h, event.medium))
             else:
-                assert event == ["AllBlocksCleared"]
+                assert isinstance(event, vllm_kv_events.CLEARED)
                 self.present.clear()
                 self.cleared += 1
 
@@ -114,17 +118,19 @@ def cache_state(cache) -> tuple[set[tuple[int, str]], dict[int, tuple[int | None
     return present, pages
 
 
-@pytest.fixture
-def wire():
+@pytest.fixture(params=["array", "map"])
+def wire(request):
     """``wire(**cache_flags)``: a cache with L2 (8 usable L1 pages, 12 L2 pages), its publisher and a subscriber,
-    all real; the subscriber binds and the worker connects, as in llm-d's centralised mode."""
+    all real, in each event encoding; the subscriber binds and the worker connects, as in llm-d's centralised
+    mode."""
     made = []
 
     def factory(**kw):
         cache, dev, _ = make_cache(device_pages=9, host_pages=12, **kw)
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        cfg = ServerConfig(kv_events_config=f'{{"publisher": "zmq", "endpoint": "{endpoint}", "topic": "{TOPIC}"}}')
-        replica = Replica(endpoint, "kv@", bind=True)
+        cfg = ServerConfig(kv_events_config=json.dumps({"publisher": "zmq", "endpoint": endpoint, "topic": TOPIC,
+                                                        "event_encoding": request.param}))
+        replica = Replica(endpoint, "kv@", bind=True, encoding=request.param)
         publisher = open_kv_events(cfg, cache, Metrics())
         made.append((cache, publisher, replica))
         replica.join(publisher)
@@ -181,34 +187,49 @@ def test_events_rebuild_the_cache_tiers(wire):
     assert replica.topics == {TOPIC.encode()} and publisher.dropped == 0
 
 
-def test_wire_format_and_replay(tmp_path):
-    """The exact frames and msgpack arrays a vLLM consumer parses, and the ROUTER replay of missed batches."""
+WIRE_EVENTS = [BlockStored([5, -7], None, [1, 2, 3, 4], 2, MEDIUM_GPU), BlockRemoved([-7], MEDIUM_CPU),
+               AllBlocksCleared()]
+ON_THE_WIRE = {  # what msgpack carries for WIRE_EVENTS, as vLLM's own structs encode them
+    "array": [["BlockStored", [5, -7], None, [1, 2, 3, 4], 2, None, "GPU", None], ["BlockRemoved", [-7], "CPU"],
+              ["AllBlocksCleared"]],
+    "map": [{"type": "BlockStored", "block_hashes": [5, -7], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+             "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None},
+            {"type": "BlockRemoved", "block_hashes": [-7], "medium": "CPU"}, {"type": "AllBlocksCleared"}],
+}
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_wire_format_and_replay(tmp_path, encoding):
+    """The exact frames and msgpack a vLLM consumer parses in each encoding (the batch an array in both, its events
+    arrays or tagged maps), and the ROUTER replay of missed batches, each reply framed as on the PUB socket."""
     pub_ep, replay_ep = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    publisher = ZmqEventPublisher(pub_ep, topic=TOPIC, replay_endpoint=replay_ep)
-    replica = Replica(pub_ep)
+    publisher = ZmqEventPublisher(pub_ep, topic=TOPIC, replay_endpoint=replay_ep, event_encoding=encoding)
+    replica = Replica(pub_ep, encoding=encoding)
     try:
         replica.join(publisher)
-        stored = BlockStored([5, -7], None, [1, 2, 3, 4], 2, MEDIUM_GPU)
-        publisher.put(stored)
-        publisher.put(BlockRemoved([-7], MEDIUM_GPU))
+        for event in WIRE_EVENTS:
+            publisher.put(event)
         assert replica.sub.poll(5000)
         topic, seq, payload = replica.sub.recv_multipart()
         assert topic == TOPIC.encode() and len(seq) == 8
         ts, events, rank = msgpack.unpackb(payload)
         assert abs(ts - time.time()) < 60 and rank == 0
-        assert events[0] == ["BlockStored", [5, -7], None, [1, 2, 3, 4], 2, None, "GPU", None]
-        assert events[-1] == ["BlockRemoved", [-7], "GPU"]
+        assert events == ON_THE_WIRE[encoding]
+        other = "map" if encoding == "array" else "array"
+        with pytest.raises(msgspec.ValidationError):  # the two encodings are not interchangeable
+            vllm_kv_events.decode(payload, other)
         last = int.from_bytes(seq, "big")
         replayed = replay(replica.ctx, replay_ep, last - 1)
-        assert replayed[0][0] == last - 1 and replayed[-1] == (last, payload)
+        assert replayed[0][:2] == (TOPIC.encode(), last - 1) and replayed[-1] == (TOPIC.encode(), last, payload)
     finally:
         publisher.close()
         replica.close()
 
 
-def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """Ask the ROUTER for the batches from ``start``, in vLLM's replay protocol. A DEALER, not vLLM example's
-    REQ: a REQ socket takes one reply per request, and a replay is many."""
+def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+    """Ask the ROUTER for the batches from ``start``, in vLLM's replay protocol: each answer is (topic, sequence,
+    payload) as on the PUB socket (vLLM 0.26+), the end an empty topic and sequence -1. A DEALER, not vLLM
+    example's REQ: a REQ socket takes one reply per request, and a replay is many."""
     req = ctx.socket(zmq.DEALER)
     try:
         req.connect(endpoint)
@@ -216,12 +237,12 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes
         replayed = []
         while True:
             assert req.poll(5000), "no replay answer"
-            empty, seq_bytes, body = req.recv_multipart()
+            empty, topic, seq_bytes, body = req.recv_multipart()
             assert empty == b""
             if int.from_bytes(seq_bytes, "big", signed=True) == -1:
-                assert body == b""
+                assert topic == body == b""
                 return replayed
-            replayed.append((int.from_bytes(seq_bytes, "big"), body))
+            replayed.append((topic, int.from_bytes(seq_bytes, "big"), body))
     finally:
         req.close(linger=0)
 
@@ -261,6 +282,7 @@ def test_block_hash_is_the_signed_first_8_bytes():
     ("{}", True),
     ('{"enable_kv_cache_events": false}', False),
     ('{"publisher": "null", "endpoint": "tcp://*:5557"}', False),
+    ('{"event_encoding": "map"}', True),
 ])
 def test_the_flag_reads_vllm_and_sglang_configs(raw, on):
     assert (kv_events_settings(raw) is not None) == on
@@ -271,6 +293,7 @@ def test_the_flag_reads_vllm_and_sglang_configs(raw, on):
     ('{"hwm": "lots"}', "hwm cannot be 'lots'"),
     ('{"buffer_steps": 0}', "buffer_steps cannot be 0"),
     ('{"publisher": "nats"}', "publisher must be zmq or null"),
+    ('{"event_encoding": "json"}', "event_encoding must be one of array, map, not 'json'"),
     ("[1]", "must be a JSON object"),
     ("{", "is not JSON"),
 ])
