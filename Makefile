@@ -43,6 +43,8 @@ lock: $(UV)
 	$(LOCK) -c locks/main.txt --extra test --extra bench --extra eval -o locks/eval.txt
 	$(UV) pip compile --quiet --custom-compile-command "make lock" --no-deps --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_34 --generate-hashes locks/interop.in -o locks/interop.txt
+	$(UV) pip compile --quiet --custom-compile-command "make lock" --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_34 --generate-hashes locks/dynamo.in -o locks/dynamo.txt
 	@! grep -E '^(nvidia|cuda)-' locks/*.txt | grep -v "sys_platform == 'never'" \
 		|| { echo "a CUDA package entered the lock: add it to locks/overrides.txt"; exit 1; }
 
@@ -69,8 +71,18 @@ system-deps:
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-# Everything, slow suites included; the lm-eval test needs the eval extra, installed here only.
-test-all: setup
+# NVIDIA Dynamo's KV indexer, a real consumer of the KV events (tests/integration/test_dynamo_indexer.py), in a
+# venv of its own (locks/dynamo.txt): ai-dynamo-runtime pins a pydantic older than the project's.
+DYNAMO_VENV ?= .dynamo-venv
+$(DYNAMO_VENV)/.installed: locks/dynamo.txt
+	rm -rf $(DYNAMO_VENV)
+	python3 -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r locks/dynamo.txt
+	touch $@
+
+# Everything, slow suites included; the lm-eval test needs the eval extra, installed here only, and the Dynamo
+# indexer test its venv.
+test-all: setup $(DYNAMO_VENV)/.installed
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r locks/eval.txt
 	$(MAKE) test PYTEST_ARGS="-n 2"
 

@@ -75,6 +75,14 @@ def test_the_interop_lock_holds_sglangs_pinned_release_and_every_pin_it_lists():
     assert re.search(r"pip install [^\n]*--no-deps --require-hashes -r locks/interop.txt", (ROOT / "Makefile").read_text())
 
 
+def test_the_dynamo_lock_holds_the_indexer_release_the_docs_were_checked_against():
+    """locks/dynamo.txt, the venv of Dynamo's indexer (`make test-all`), pins what locks/dynamo.in names, hashed, and
+    is installed with --require-hashes."""
+    named = dict(re.findall(r"^([\w.-]+)==(\S+)$", (LOCKS / "dynamo.in").read_text(), re.MULTILINE))
+    assert named == {"ai-dynamo-runtime": "1.6.1"} and pins("dynamo.txt")["ai-dynamo-runtime"] == "1.6.1"
+    assert re.search(r"pip install [^\n]*--no-deps --require-hashes -r locks/dynamo.txt", (ROOT / "Makefile").read_text())
+
+
 @pytest.mark.skipif(os.environ.get("DECODE_WORKER_UNLOCKED") == "1", reason="make test-latest: newest releases")
 def test_the_environment_is_the_lock():
     """`make setup` installed locks/main.txt exactly (eval.txt, which `make test-all` adds, agrees with it)."""
