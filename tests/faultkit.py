@@ -626,8 +626,9 @@ def _probe_loop() -> None:
                 threads = threads_schedstat()
 
     def kernel_state(native_id: str) -> str:
-        """The loop thread's scheduler state and the kernel function it sleeps in (``S futex_wait``: the GIL or
-        a lock, ``D``: disk or memory reclaim), for the log."""
+        """A thread's scheduler state and the kernel function it sleeps in (``S futex_wait``: the GIL or a lock,
+        ``D``: disk or memory reclaim), for the log: a thread that holds the GIL while it sleeps in the kernel
+        shows here as the one not waiting on a futex."""
         try:
             with open(f"/proc/self/task/{native_id}/stat") as f:
                 state = f.read().rpartition(")")[2].split()[0]
@@ -648,8 +649,8 @@ def _probe_loop() -> None:
                 frames = sys._current_frames()
                 where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
                                     for f in _stack(frames.get(loop_thread), 6))
-                others = "; ".join(f"{t.name}: {frames[t.ident].f_code.co_name}" for t in threading.enumerate()
-                                   if t.ident in frames and t.ident != loop_thread)
+                others = "; ".join(f"{t.name}: {frames[t.ident].f_code.co_name} [{kernel_state(str(t.native_id))}]"
+                                   for t in threading.enumerate() if t.ident in frames and t.ident != loop_thread)
                 _log_line(f"faultkit: loop stuck at={time.time():.3f} loop: {where} | kernel: "
                           f"{kernel_state(loop_native_id)} | others: {others}")
 

@@ -87,6 +87,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_read(client: socket.socket, timeout_s: float = 30.0) -> None:
+    """Until the server side of ``client``'s connection has read everything sent (its receive queue is empty, as
+    ``ss`` shows it): then the worker has parsed the request's head."""
+    local, peer = client.getsockname()[1], client.getpeername()[1]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        line = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{peer} and dport = :{local} )"],
+                              capture_output=True, text=True, check=True).stdout.split()
+        if line and line[0] == "0":  # Recv-Q
+            return
+        assert time.monotonic() < deadline, f"the worker never read the request: {line}"
+        time.sleep(0.05)
+
+
 def _port_free(port: int) -> bool:
     """Nothing listens on ``port``: a new server could bind it now (as servers do, past TIME_WAIT)."""
     with socket.socket() as s:
@@ -151,6 +165,7 @@ def test_up_stops_everything_it_started(tmp_path, tiny_chat_model, how):
         else:  # a request whose body never ends keeps the decode worker's graceful stop busy for ~15 s
             stalled = socket.create_connection(("127.0.0.1", ports[2]))
             stalled.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            _wait_read(stalled)  # a request the worker has not read yet is no request in flight: it is just closed
             os.kill(up_pid, signal.SIGTERM)
             time.sleep(1.0)
             assert _alive(up_pid) and any(map(_alive, kids))  # still stopping gracefully
