@@ -402,11 +402,16 @@ class LoopStall:
     others_runqueue_ms: float = 0.0
     steal_ms: float = 0.0
     seen_at: str = ""
+    seen_idle: bool = False
 
     @property
     def blocked_ms(self) -> float:
         """What the loop itself lost: running code on it, or blocked, not counting the waits for a free core (its
-        own, and that of the thread it may have waited on) nor the time the machine itself was not running."""
+        own, and that of the thread it may have waited on) nor the time the machine itself was not running. A
+        loop the watchdog saw asleep in the kernel's poll (``seen_idle``) had nothing to run while its tick was
+        overdue: the kernel woke it late, so of that stall only the code it ran counts."""
+        if self.seen_idle:
+            return self.cpu_ms
         excused = 0.0 if self.seen_at else self.others_runqueue_ms
         return max(0.0, self.ms - self.runqueue_ms - excused - self.steal_ms)
 
@@ -414,11 +419,13 @@ class LoopStall:
 # Where the watchdog may see the loop's thread wait of its own accord (a lock, a thread's start, a socket); seen
 # anywhere else it was most likely waiting for the GIL at a switch point.
 BLOCKING_FRAMES = ("threading.py:", "socket.py:", "selectors.py:", "subprocess.py:", "queue.py:")
+# The loop between callbacks (no Python frame of ours on its thread) asleep in the kernel's poll: idle.
+IDLE_FRAME, IDLE_KERNEL = "runners.py:", "kernel: S do_epoll_wait"
 
 
 def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
     """The stalls over ``LOOP_LOG_MS`` a ``loop_probe`` worker logged, from wall time ``since`` on."""
-    stalls, seen = [], []
+    stalls, seen, idle = [], [], []
     for line in proc.log.read_text(errors="replace").splitlines():
         if line.startswith("faultkit: loop stall"):
             kv = dict(part.split("=") for part in line.split()[3:])
@@ -427,12 +434,18 @@ def loop_stalls(proc: Proc, since: float = 0.0) -> list[LoopStall]:
                                     float(kv.get("steal_ms", 0))))
         elif line.startswith("faultkit: loop stuck"):
             at, _, where = line.removeprefix("faultkit: loop stuck at=").partition(" loop: ")
+            stack, _, rest = where.partition(" | ")
             if where.startswith(BLOCKING_FRAMES):
-                seen.append((float(at), where.partition(" | ")[0]))
+                seen.append((float(at), stack))
+            elif where.startswith(IDLE_FRAME) and rest.startswith(IDLE_KERNEL):
+                idle.append(float(at))
     for i, s in enumerate(stalls):
-        blocking = [where for at, where in seen if s.at - s.ms / 1000 <= at <= s.at]
+        during = lambda at: s.at - s.ms / 1000 <= at <= s.at  # noqa: E731
+        blocking = [where for at, where in seen if during(at)]
         if blocking:
             stalls[i] = replace(s, seen_at=blocking[0])
+        elif any(map(during, idle)):
+            stalls[i] = replace(s, seen_idle=True)
     return [s for s in stalls if s.at >= since]
 
 
