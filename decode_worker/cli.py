@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run a worker (colocated, prefill or decode role)")
     add_config_args(srv)
     srv.set_defaults(func=_serve)
-    up = sub.add_parser("up", help="run a local PD deployment: sglang-router, a prefill and decode workers "
+    up = sub.add_parser("up", help="run a local PD deployment: smg, a prefill and decode workers "
                                     "(with 2 or more, a redis-server as their shared L3)")
     add_up_args(up)
     up.set_defaults(func=_up)

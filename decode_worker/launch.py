@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -19,8 +20,12 @@ from pathlib import Path
 from decode_worker.config import ENV_PREFIX, ConfigError, mask_url
 
 CACHE_FLAGS = ["--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache"]
-# sglang-router's decode selection policies (`manual` needs a routing key per request: not offered here).
+# The router's decode selection policies (`manual` needs a routing key per request: not offered here).
 DECODE_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
+ROUTER_READY_PATH = "/readiness"  # smg answers /health before it has a worker; /readiness once it can route
+ROUTER_GRACE_S = 15  # smg finishes requests in flight this long on SIGTERM (its own default, 180 s, outlasts any
+# deployment's stop: `up` kills after STOP_GRACE_S, Kubernetes after terminationGracePeriodSeconds)
+CLIENT_MODEL = "default"  # the model name SGLang's clients send; the router maps it to the served one
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -114,6 +119,13 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def served_model(url: str, api_key: str = "") -> str:
+    """A worker's served model name (its /server_info), which the router routes by."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/server_info", headers=headers), timeout=10) as resp:
+        return json.load(resp)["served_model_name"]
+
+
 def redis_ok(host: str, port: int) -> bool:
     """A Redis PING answered (inline protocol, no client)."""
     try:
@@ -150,7 +162,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="memory of the redis-server `up` starts; past it, least recently used pages go")
     parser.add_argument("--no-shared-l3", action="store_true", help="no L3: each decode worker caches on its own")
     parser.add_argument("--router-metrics-port", type=int, default=0,
-                        help="the router's Prometheus port (0: a free one; sglang-router's own default, 29000, "
+                        help="the router's Prometheus port (0: a free one; smg's own default, 29000, "
                              "would clash with a second deployment on the host)")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--max-total-tokens", type=int, default=None,
@@ -196,7 +208,7 @@ def check_up_args(args: argparse.Namespace) -> None:
 
 
 def router_auth(api_key: str) -> list[str]:
-    """sglang-router's --api-key (no environment variable exists for it)."""
+    """The router's --api-key (no environment variable exists for it)."""
     return ["--api-key", api_key] if api_key else []
 
 
@@ -211,15 +223,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def router_command(host: str, port: int, prefill_port: int, decode_ports: Sequence[int], metrics_port: int,
-                   api_key: str = "", decode_policy: str | None = None) -> list[str]:
-    """sglang-router in PD mode; ``metrics_port`` explicit (its default panics a second router); ``decode_policy``
-    None: the router's."""
+                   api_key: str = "", decode_policy: str | None = None, model: str = "") -> list[str]:
+    """smg, the SGLang model gateway, in PD mode; ``metrics_port`` explicit (a second router on the default
+    clashes); ``decode_policy`` None: the router's. It routes by model name: ``model``, the workers' served name,
+    is also reachable as ``CLIENT_MODEL``."""
     decodes = [arg for p in decode_ports for arg in ("--decode", f"http://{host}:{p}")]
     policy = ["--decode-policy", decode_policy] if decode_policy else []
-    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", f"http://{host}:{prefill_port}", str(prefill_port), *decodes, *policy,
+    alias = ["--model-alias", f"{CLIENT_MODEL}={model}"] if model and model != CLIENT_MODEL else []
+    return [sys.executable, "-m", "smg.launch_router", "--pd-disaggregation",
+            "--prefill", f"http://{host}:{prefill_port}", str(prefill_port), *decodes, *policy, *alias,
             "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            *router_auth(api_key)]
+            "--shutdown-grace-period-secs", str(ROUTER_GRACE_S), *router_auth(api_key)]
 
 
 def storage_env(redis_url: str) -> dict[str, str]:
@@ -288,9 +302,10 @@ def run_up(args: argparse.Namespace) -> int:
         redis_url = _start_redis(dep, args, env) if shared_l3(args) else None
         _start_workers(dep, args, env, redis_url)
         metrics_port = args.router_metrics_port or free_port(args.host)
+        model = served_model(f"http://{args.host}:{args.prefill_port}", args.api_key)
         dep.start("router", router_command(args.host, args.port, args.prefill_port, decode_ports(args), metrics_port,
-                                           args.api_key, args.decode_policy), env)
-        dep.wait_healthy("router", f"http://{args.host}:{args.port}/health", 60)
+                                           args.api_key, args.decode_policy, model), env)
+        dep.wait_healthy("router", f"http://{args.host}:{args.port}{ROUTER_READY_PATH}", 60)
         _print_ready(args, metrics_port, redis_url, log_dir)
         dep.watch()
     except Stopping as e:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from decode_worker.launch import free_port, router_command
+from decode_worker.launch import ROUTER_READY_PATH, free_port, router_command, served_model
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # one name="value" pair of a Prometheus sample
 
@@ -157,8 +157,8 @@ def with_prefill_hosts(role: str, flags: tuple[str, ...], env: dict[str, str] | 
 def start_router(log_dir: Path, prefill: Proc, decode: Proc) -> Proc:
     port = free_port()
     prefill_port, decode_port = (int(p.url.rsplit(":", 1)[1]) for p in (prefill, decode))
-    cmd = router_command("127.0.0.1", port, prefill_port, [decode_port], free_port())
-    return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, timeout_s=60)
+    cmd = router_command("127.0.0.1", port, prefill_port, [decode_port], free_port(), model=served_model(prefill.url))
+    return start("router", cmd, f"http://127.0.0.1:{port}", log_dir, health=ROUTER_READY_PATH, timeout_s=60)
 
 
 def pd_generate(prefill: Proc, decode: Proc, body: dict, room: int, prefill_port: int | None = None,

@@ -131,7 +131,7 @@ def _other_args(p: argparse.ArgumentParser) -> None:
                         "summed over the pods")
     s.add_argument("--decode-pods", type=int, nargs="+", default=[1, 2, 4], help="decode pod counts, in order")
     s.add_argument("--routings", nargs="+", choices=list(ROUTINGS), default=list(ROUTINGS),
-                   help="round_robin and cache_aware: sglang-router's decode policies over pod-local caches; "
+                   help="round_robin and cache_aware: smg's decode policies over pod-local caches; "
                         "round_robin_l3 and cache_aware_l3: the same over pods that share one Redis as L3")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=str(cache_dir() / "bench"), help="folder for NAME.json, NAME.md and NAME.png")

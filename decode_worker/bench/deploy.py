@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode_worker.bench.modes import Mode
-from decode_worker.launch import Deployment, free_port, host_port, router_command
+from decode_worker.launch import ROUTER_READY_PATH, Deployment, free_port, host_port, router_command, served_model
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,10 @@ def deployed(spec: DeploySpec, mode: Mode) -> Iterator[Endpoints]:
                   + mode.decode_flags(spec.hicache_ratio, spec.storage_dir, spec.prefetch_policy), env)
         for name, port in (("prefill", prefill_port), ("decode", decode_port)):
             dep.wait_healthy(name, url(port) + "/health", spec.startup_timeout_s)
+        model = served_model(url(prefill_port), spec.api_key)
         dep.start("router", router_command(spec.host, router_port, prefill_port, [decode_port], metrics_port,
-                                           spec.api_key), env)
-        dep.wait_healthy("router", url(router_port) + "/health", 60)
+                                           spec.api_key, model=model), env)
+        dep.wait_healthy("router", url(router_port) + ROUTER_READY_PATH, 60)
         yield Endpoints(url(router_port), url(decode_port), url(prefill_port))
     finally:
         dep.stop()

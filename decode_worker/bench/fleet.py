@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 from decode_worker.bench.deploy import DeploySpec, decode_cmd, worker_cmd
 from decode_worker.bench.modes import MODES
-from decode_worker.launch import Deployment, free_port, redis_command, redis_ok, router_command
+from decode_worker.launch import (
+    ROUTER_READY_PATH,
+    Deployment,
+    free_port,
+    redis_command,
+    redis_ok,
+    router_command,
+    served_model,
+)
 
 REDIS_MAX_GB = 4.0  # far above any scaled-down trace: L3 never evicts in the benchmark
 
@@ -83,9 +91,10 @@ def routed(fl: Fleet, pods: int, decode_policy: str, name: str) -> Iterator[Flee
     router_port = free_port()
     dep = Deployment(fl.deployment.log_dir)
     try:
+        model = served_model(fl.url(fl.prefill_port), fl.spec.api_key)
         dep.start(name, router_command(fl.spec.host, router_port, fl.prefill_port, fl.decode_ports[:pods],
-                                       free_port(), fl.spec.api_key, decode_policy), fl.env)
-        dep.wait_healthy(name, fl.url(router_port) + "/health", 60)
+                                       free_port(), fl.spec.api_key, decode_policy, model), fl.env)
+        dep.wait_healthy(name, fl.url(router_port) + ROUTER_READY_PATH, 60)
         yield FleetEndpoints(fl.url(router_port), [fl.url(p) for p in fl.decode_ports[:pods]],
                              fl.url(fl.prefill_port), fl.redis)
     finally:

@@ -23,7 +23,7 @@ from decode_worker.bench.workload import SharedPrefixSpec
 @dataclass(frozen=True)
 class Routing:
     name: str
-    decode_policy: str  # sglang-router's --decode-policy
+    decode_policy: str  # smg's --decode-policy
     shared_l3: bool  # the decode pods share one Redis as L3
 
 

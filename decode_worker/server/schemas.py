@@ -291,7 +291,7 @@ OPENAI: dict[str, tuple[Neutral, str]] = {
     "prediction": (ABSENT, "predicted outputs"), "reasoning_effort": (ABSENT, "reasoning effort"),
     "store": (FALSE, "stored completions"), "web_search_options": (ABSENT, "web search"),
 }
-# Documented fields that ask nothing of the output (metadata, logging and routing hints, which sglang-router adds
+# Documented fields that ask nothing of the output (metadata, logging and routing hints, which smg adds
 # to what it forwards): accepted as they are, without a warning.
 NOTES = frozenset({"user", "metadata", "service_tier", "safety_identifier",
                    "prompt_cache_key", "verbosity", "max_completion_tokens", "model", "log_metrics", "no_logs",

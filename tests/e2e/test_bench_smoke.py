@@ -1,4 +1,4 @@
-"""`decode-worker bench` end to end on a tiny shape: real deployments (sglang-router, prefill, decode) of the
+"""`decode-worker bench` end to end on a tiny shape: real deployments (smg, prefill, decode) of the
 tiny random model, started by the command itself, one per mode."""
 from __future__ import annotations
 

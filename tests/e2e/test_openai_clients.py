@@ -1,4 +1,4 @@
-"""What SGLang and OpenAI users send, through the real sglang-router in PD mode (router, prefill, decode as real
+"""What SGLang and OpenAI users send, through the real smg gateway in PD mode (router, prefill, decode as real
 processes) and against a colocated worker: the same answers, each re-validated strictly against the official
 ``openai`` client's types, and PD's equal to colocated's."""
 from __future__ import annotations
@@ -72,7 +72,7 @@ def close(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(targets, max_tokens):
-    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0 (or 1). Text prompts: sglang-router
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0 (or 1). Text prompts: smg
     refuses token-id prompts on this route (lm-eval's ``tokenized_requests=False``); a colocated worker takes both."""
     answers = {name: score(url, PROMPT, max_tokens, 2) for name, url in targets.items()}
     n = answers["colocated"]["usage"]["prompt_tokens"]
@@ -148,7 +148,7 @@ def test_streamed_echo_carries_the_prompt_logprobs(targets):
 
 
 def test_n_choices_through_pd_on_every_route(targets):
-    """sglang-router sends one room per choice on chat and one per prompt elsewhere: each choice gets its own room
+    """smg sends one room per choice on chat and one per prompt elsewhere: each choice gets its own room
     either way, and its first token (sampled on prefill under the choice's seed) is the colocated worker's."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion

@@ -1,4 +1,4 @@
-"""End to end through the real sglang-router in PD mode: router, prefill and decode as real processes."""
+"""End to end through the real smg gateway in PD mode: router, prefill and decode as real processes."""
 from __future__ import annotations
 
 import asyncio

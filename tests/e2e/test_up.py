@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from decode_worker.launch import ROUTER_READY_PATH
 from tests.servers import free_port, start
 from tests.tiny_model import save_tiny_chat_model
 
@@ -28,7 +29,8 @@ def test_up(tmp_path, tiny_chat_model, key):
     cmd = [sys.executable, "-m", "decode_worker.cli", "up", "--model-path", str(tiny_chat_model),
            "--port", str(router), "--prefill-port", str(prefill), "--decode-port", str(decode),
            "--max-total-tokens", "4096", "--log-dir", str(tmp_path / "logs")]
-    proc = start("up", cmd, f"http://127.0.0.1:{router}", tmp_path, env={"DECODE_WORKER_API_KEY": key}, timeout_s=300)
+    proc = start("up", cmd, f"http://127.0.0.1:{router}", tmp_path, env={"DECODE_WORKER_API_KEY": key},
+                 health=ROUTER_READY_PATH, timeout_s=300)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         batched = httpx.post(proc.url + "/generate", headers=headers, timeout=120,
@@ -87,15 +89,17 @@ def test_up_refuses_settings_that_cannot_run(flags, message, monkeypatch, capsys
 def test_router_command_names_every_decode_worker_and_the_policy():
     import argparse
 
-    from sglang_router.router_args import RouterArgs
+    from smg.router_args import RouterArgs
 
-    from decode_worker.launch import router_command
+    from decode_worker.launch import ROUTER_GRACE_S, router_command
 
-    cmd = router_command("127.0.0.1", 30000, 30001, [30002, 30003, 30004], 29001, decode_policy="round_robin")
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    cmd = router_command("127.0.0.1", 30000, 30001, [30002, 30003, 30004], 29001, decode_policy="round_robin",
+                         model="SmolLM2")
+    assert cmd[1:3] == ["-m", "smg.launch_router"]
     parser = argparse.ArgumentParser(allow_abbrev=False)
     RouterArgs.add_cli_args(parser)
     ra = RouterArgs.from_cli_args(parser.parse_args(cmd[3:]))
     assert ra.pd_disaggregation and ra.decode_policy == "round_robin" and ra.prometheus_port == 29001
+    assert ra.model_aliases == {"default": "SmolLM2"} and ra.shutdown_grace_period_secs == ROUTER_GRACE_S
     assert ra.decode_urls == [f"http://127.0.0.1:{p}" for p in (30002, 30003, 30004)]
     assert ra.prefill_urls == [("http://127.0.0.1:30001", 30001)]

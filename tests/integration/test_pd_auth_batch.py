@@ -1,4 +1,4 @@
-"""PD between real processes: the pair's token in the X-PD-Token header, and the batched bodies sglang-router sends.
+"""PD between real processes: the pair's token in the X-PD-Token header, and the batched bodies smg sends.
 
 A token problem (wrong, or set on one side only) must fail the decode request at once with a message that says
 which, never hang until a deadline or pass silently. A batched body pairs prompt i with room i, host i and port i,

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from decode_worker.launch import ROUTER_READY_PATH
 from tests.integration.test_redis_store import REDIS_SERVER, RedisServer
 from tests.servers import Proc, free_port, start, start_workers, wait_pages_free
 from tests.tiny_model import save_tiny_chat_model
@@ -106,7 +107,8 @@ def two_decode_pods(tmp_path_factory, smollm2_path):
     cmd = [sys.executable, "-m", "decode_worker.cli", "up", "--decode-replicas", "2", "--decode-policy", "round_robin",
            "--port", str(router), "--prefill-port", str(prefill), "--decode-port", str(decode),
            "--max-total-tokens", "2048", "--page-size", str(PS), "--log-dir", str(logs / "up")]
-    up = start("up", cmd, f"http://127.0.0.1:{router}", logs, env=STORAGE_POLICY, timeout_s=300)
+    up = start("up", cmd, f"http://127.0.0.1:{router}", logs, env=STORAGE_POLICY, health=ROUTER_READY_PATH,
+               timeout_s=300)
     pods = [Proc(f"decode-{i}", up.popen, f"http://127.0.0.1:{decode + i}", logs / "up" / f"decode-{i}.log")
             for i in range(2)]
     yield up, pods

@@ -275,7 +275,7 @@ def test_sglangs_router_in_front_of_sglangs_sender_and_our_decode_answers_a_gene
     pushes the KV; our decode answers what a colocated worker answers, and its hit rates show on /metrics."""
     port, metrics_port = free_port(), free_port()
     log = reference["root"] / "router.log"
-    router = subprocess.Popen([MAIN_PYTHON, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+    router = subprocess.Popen([MAIN_PYTHON, "-m", "smg.launch_router", "--pd-disaggregation",
                                "--prefill", f"http://127.0.0.1:{sender.http_port}", str(sender.boot_port),
                                "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
@@ -286,7 +286,7 @@ def test_sglangs_router_in_front_of_sglangs_sender_and_our_decode_answers_a_gene
         while True:
             assert router.poll() is None and time.monotonic() < give_up, log.read_text(errors="replace")[-3000:]
             try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
+                if requests.get(url + "/readiness", timeout=2).status_code == 200:  # /health answers before workers
                     break
             except requests.RequestException:
                 pass

@@ -240,14 +240,27 @@ def server_config(argv: list[str], env: dict[str, str], monkeypatch) -> ServerCo
 
 
 def router_args(argv: list[str]):
-    from sglang_router.router_args import RouterArgs
+    from smg.router_args import RouterArgs
 
     parser = argparse.ArgumentParser(allow_abbrev=False)  # a truncated flag is a typo here
     RouterArgs.add_cli_args(parser)
     try:
         return RouterArgs.from_cli_args(parser.parse_args([str(a) for a in argv]))
     except SystemExit:
-        pytest.fail(f"sglang-router rejects {argv}")
+        pytest.fail(f"smg rejects {argv}")
+
+
+def served_name(config) -> str:
+    """The model name a worker of ``config`` serves (the engine's rule), without loading it."""
+    from decode_worker.model.embedded import default_model_path
+
+    return config.served_model_name or Path(config.model_path or default_model_path()).stem
+
+
+def seconds(duration: str) -> int:
+    """A compose duration such as ``20s``."""
+    assert duration.endswith("s"), duration
+    return int(duration[:-1])
 
 
 def test_every_decode_worker_env_var_is_read_by_the_server():
@@ -347,9 +360,11 @@ def test_compose_workers_validate_and_agree(monkeypatch):
     assert "profiles" not in services["redis"], "the shared L3 is part of the deployment, not an option"
 
     router = services["router"]
-    assert router["entrypoint"] == ["python", "-m", "sglang_router.launch_router"]
+    assert router["entrypoint"] == ["python", "-m", "smg.launch_router"]
     ra = router_args(router["command"])
     assert ra.pd_disaggregation and ra.decode_policy == "round_robin", "docs/scale-out.md says why"
+    assert ra.model_aliases == {"default": served_name(prefill)}, "SGLang clients' model name reaches the workers"
+    assert ra.shutdown_grace_period_secs < seconds(router["stop_grace_period"]), "requests end before the kill"
     assert ra.prefill_urls == [(f"http://prefill:{prefill.port}", prefill.port)], "bootstrap port = prefill HTTP port"
     assert ra.decode_urls == [f"http://{name}:{configs[name].port}" for name in decodes]
     for name in ("prefill", *decodes):
@@ -385,9 +400,11 @@ def test_k8s_workers_validate_and_agree(monkeypatch):
     assert_points_at_the_redis_service(decode.hicache_storage_url)
 
     template, router = containers["router"]
-    assert router["command"] == ["python", "-m", "sglang_router.launch_router"]
+    assert router["command"] == ["python", "-m", "smg.launch_router"]
     ra = router_args(router["args"])
     assert ra.pd_disaggregation and ra.service_discovery
+    assert ra.model_aliases == {"default": served_name(decode)}, "SGLang clients' model name reaches the workers"
+    assert ra.shutdown_grace_period_secs < template["spec"]["terminationGracePeriodSeconds"]
     assert ra.decode_policy == "round_robin", "docs/scale-out.md says why"
     assert ra.service_discovery_port == prefill.port == decode.port, "one port for all discovered pods"
     for role, selector in (("prefill", ra.prefill_selector), ("decode", ra.decode_selector)):

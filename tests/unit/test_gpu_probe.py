@@ -25,7 +25,7 @@ import sys
 
 BLOCKED = {"gguf", "safetensors", "tokenizers", "transformers", "accelerate", "nixl_cu12", "nixl", "uvloop", "fastapi",
            "starlette", "uvicorn", "pydantic", "pydantic_core", "pydantic_settings", "prometheus_client", "httpx",
-           "redis", "sglang_router", "zmq", "msgpack", "jinja2"}
+           "redis", "smg", "zmq", "msgpack", "jinja2"}
 
 
 class BareMachine:
