@@ -151,10 +151,11 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="the first decode worker's port; replica i listens on this port + i")
     parser.add_argument("--decode-replicas", type=int, default=1,
                         help="decode workers behind the router; with 2 or more they share an L3 in Redis")
-    parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default="round_robin",
-                        help="how the router picks a decode worker (sglang-router's --decode-policy). round_robin "
-                             "spreads evenly and the shared L3 serves prefixes across workers; sglang-router 0.3.2's "
-                             "cache_aware picks decode workers at random in PD mode (docs/scale-out.md)")
+    parser.add_argument("--decode-policy", choices=DECODE_POLICIES, default="cache_aware",
+                        help="how the router picks a decode worker (smg's --decode-policy). cache_aware sends a "
+                             "prompt to the worker that holds its prefix, which keeps the hit rate as workers are "
+                             "added; round_robin spreads evenly and leaves prefixes to the shared L3 "
+                             "(docs/scale-out.md)")
     parser.add_argument("--redis-url", default=None,
                         help="the decode workers' shared L3 (redis://host:port); unset with 2+ decode replicas: a "
                              "redis-server started on a free port")

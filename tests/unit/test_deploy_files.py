@@ -362,7 +362,7 @@ def test_compose_workers_validate_and_agree(monkeypatch):
     router = services["router"]
     assert router["entrypoint"] == ["python", "-m", "smg.launch_router"]
     ra = router_args(router["command"])
-    assert ra.pd_disaggregation and ra.decode_policy == "round_robin", "docs/scale-out.md says why"
+    assert ra.pd_disaggregation and ra.decode_policy == "cache_aware", "docs/scale-out.md says why"
     assert ra.model_aliases == {"default": served_name(prefill)}, "SGLang clients' model name reaches the workers"
     assert ra.shutdown_grace_period_secs < seconds(router["stop_grace_period"]), "requests end before the kill"
     assert ra.prefill_urls == [(f"http://prefill:{prefill.port}", prefill.port)], "bootstrap port = prefill HTTP port"
@@ -405,7 +405,7 @@ def test_k8s_workers_validate_and_agree(monkeypatch):
     assert ra.pd_disaggregation and ra.service_discovery
     assert ra.model_aliases == {"default": served_name(decode)}, "SGLang clients' model name reaches the workers"
     assert ra.shutdown_grace_period_secs < template["spec"]["terminationGracePeriodSeconds"]
-    assert ra.decode_policy == "round_robin", "docs/scale-out.md says why"
+    assert ra.decode_policy == "cache_aware", "docs/scale-out.md says why"
     assert ra.service_discovery_port == prefill.port == decode.port, "one port for all discovered pods"
     for role, selector in (("prefill", ra.prefill_selector), ("decode", ra.decode_selector)):
         assert selector.items() <= containers[role][0]["metadata"]["labels"].items()
