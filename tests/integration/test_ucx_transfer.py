@@ -403,8 +403,13 @@ def test_a_peer_dropped_or_left_behind_while_its_pool_is_asked_for_keeps_nothing
     """The pool is asked for in a thread: a peer dropped meanwhile, or a loop that closes meanwhile, never gets the
     mapping, and its pidfd is closed once the thread ends."""
     def pidfds() -> int:
-        return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" for fd in os.listdir("/proc/self/fd")
-                   if os.path.exists(f"/proc/self/fd/{fd}"))
+        """This process's pidfds of the peer (another test's thread may hold pidfds of its own peers meanwhile)."""
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # closed since listed
+                if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]":
+                    count += f"Pid:\t{peer.proc.pid}\n" in Path(f"/proc/self/fdinfo/{fd}").read_text()
+        return count
 
     peer = PeerProcess(PAGES, "mapped")
     pool = KVPool(LAYOUT, PAGES)
